@@ -1,0 +1,276 @@
+"""Convert an mlx-lm checkpoint directory into a streaming directory:
+
+    DST/packed_experts/layer_NN.bin   expert e of layer NN at byte e * blob_size
+    DST/packed_experts/layout.json    the ExpertLayout of every MoE layer
+    DST/model*.safetensors            every non-expert tensor, byte for byte
+    DST/config.json                   the source config plus a "moeflux" section
+    DST/<tokenizer and other files>
+
+Only byte ranges found in the safetensors headers are read, in chunks, so peak memory stays
+bounded whatever the model size. Everything is written into ``DST.partial`` (files under
+temporary names, renamed when complete) and ``DST.partial`` becomes ``DST`` in one rename at the
+end; a rerun after an interruption resumes from the files already completed there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+from tqdm import tqdm
+
+from .checkpoint import (LAYOUT_FILE, MOEFLUX_CONFIG_KEY, PACKED_DIR, CheckpointExperts,
+                         is_packed, packed_file, scan_checkpoint)
+from .errors import CheckpointError, MoefluxError
+from .layout import FORMAT_VERSION, ExpertLayout
+from .safetensors_index import TensorRange
+from .store import read_exact
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 64 * 1024 * 1024  # the most bytes held in memory at once while copying
+SHARD_BYTES = 5 * 1024 ** 3  # like mlx-lm's MAX_FILE_SIZE_GB
+SKIP_FILES = {"config.json", "model.safetensors.index.json"}
+STATE_FILE = ".moeflux-convert.json"
+
+
+class ConvertError(MoefluxError):
+    pass
+
+
+def convert(src, dst, *, verify: bool = False, progress: bool = True) -> Path:
+    """Convert the mlx-lm checkpoint ``src`` into a streaming directory ``dst``. Returns ``dst``."""
+    src, dst = Path(src), Path(dst)
+    if is_packed(src):
+        raise CheckpointError(f"{src}: already a converted moeflux directory")
+    if dst.exists():
+        raise ConvertError(f"{dst}: already exists; remove it or choose another destination")
+    ckpt = scan_checkpoint(src)
+    work = dst.with_name(dst.name + ".partial")
+    _prepare_workdir(work, ckpt)
+    total = sum(r.nbytes for r in ckpt.dense.values()) + ckpt.layout.total_expert_bytes
+    with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress) as bar:
+        _write_dense(ckpt, work, bar)
+        (work / PACKED_DIR).mkdir(exist_ok=True)
+        for layer, layout in sorted(ckpt.layout.layers.items()):
+            _write_layer(ckpt, layer, layout, packed_file(work, layer), bar)
+    ckpt.layout.save(work / PACKED_DIR / LAYOUT_FILE)
+    _copy_side_files(src, work)
+    config = dict(ckpt.config)
+    config[MOEFLUX_CONFIG_KEY] = {
+        "format_version": FORMAT_VERSION,
+        "layout": f"{PACKED_DIR}/{LAYOUT_FILE}",
+        "moe_layers": sorted(ckpt.layout.layers),
+        "total_expert_bytes": ckpt.layout.total_expert_bytes,
+    }
+    _atomic_write_text(work / "config.json", json.dumps(config, indent=4))
+    (work / STATE_FILE).unlink()
+    _fsync_dir(work)
+    os.rename(work, dst)
+    _fsync_dir(dst.parent)
+    log.info("converted %s -> %s (%d MoE layers, %.2f GB of experts)", src, dst,
+             len(ckpt.layout.layers), ckpt.layout.total_expert_bytes / 1e9)
+    if verify:
+        verify_conversion(src, dst, progress=progress)
+    return dst
+
+
+def _fingerprint(ckpt: CheckpointExperts) -> dict:
+    files = sorted({r.file for r in ckpt.dense.values()} |
+                   {r.file for comps in ckpt.ranges.values() for r in comps.values()})
+    return {"format_version": FORMAT_VERSION, "source": str(ckpt.path.resolve()),
+            "files": {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}}
+
+
+def _prepare_workdir(work: Path, ckpt: CheckpointExperts) -> None:
+    """Resume in ``work`` if it was left by a conversion of the same source, else start afresh."""
+    state = _fingerprint(ckpt)
+    try:
+        if json.loads((work / STATE_FILE).read_text()) == state:
+            log.info("resuming the interrupted conversion in %s", work)
+            return
+    except (OSError, ValueError):
+        pass
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    _atomic_write_text(work / STATE_FILE, json.dumps(state))
+
+
+def _shards(dense: Dict[str, TensorRange]) -> List[List[str]]:
+    shards, size = [[]], 0
+    for name in sorted(dense):
+        if shards[-1] and size + dense[name].nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += dense[name].nbytes
+    return shards
+
+
+def _write_dense(ckpt: CheckpointExperts, work: Path, bar) -> None:
+    shards = _shards(ckpt.dense)
+    fmt = "model-{:05d}-of-{:05d}.safetensors" if len(shards) > 1 else "model.safetensors"
+    weight_map = {}
+    for i, names in enumerate(shards):
+        out = work / fmt.format(i + 1, len(shards))
+        weight_map.update({n: out.name for n in names})
+        if out.exists():  # completed by an interrupted run of the same source
+            bar.update(sum(ckpt.dense[n].nbytes for n in names))
+            continue
+        _write_safetensors(out, {n: ckpt.dense[n] for n in names}, bar)
+    index = {"metadata": {"total_size": sum(r.nbytes for r in ckpt.dense.values())},
+             "weight_map": dict(sorted(weight_map.items()))}
+    _atomic_write_text(work / "model.safetensors.index.json", json.dumps(index, indent=4))
+
+
+def _write_safetensors(out: Path, tensors: Dict[str, TensorRange], bar) -> None:
+    """Write a safetensors file by copying each tensor's bytes in bounded chunks."""
+    header, offset = {"__metadata__": {"format": "mlx"}}, 0
+    for name, r in tensors.items():
+        header[name] = {"dtype": r.dtype, "shape": list(r.shape),
+                        "data_offsets": [offset, offset + r.nbytes]}
+        offset += r.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        buf = bytearray(min(CHUNK_BYTES, max((r.nbytes for r in tensors.values()), default=1)))
+        for r in tensors.values():
+            with open(r.file, "rb", buffering=0) as src:
+                for start in range(0, r.nbytes, len(buf)):
+                    n = min(len(buf), r.nbytes - start)
+                    view = memoryview(buf)[:n]
+                    read_exact(src.fileno(), r.start + start, view, str(r.file))
+                    f.write(view)
+                    bar.update(n)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+
+
+def _write_layer(ckpt: CheckpointExperts, layer: int, layout: ExpertLayout, out: Path, bar) -> None:
+    if out.exists() and out.stat().st_size == layout.layer_bytes:
+        bar.update(layout.layer_bytes)
+        return
+    ranges = ckpt.ranges[layer]
+    per_chunk = max(1, CHUNK_BYTES // layout.blob_size)
+    blobs = np.zeros((per_chunk, layout.blob_size), np.uint8)  # zeros: alignment padding stays 0
+    fds = {}
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        for r in ranges.values():
+            fds.setdefault(r.file, os.open(r.file, os.O_RDONLY))
+        with open(tmp, "wb") as f:
+            for e0 in range(0, layout.num_experts, per_chunk):
+                n = min(per_chunk, layout.num_experts - e0)
+                for c in layout.components:
+                    r = ranges[c.name]
+                    # experts e0..e0+n of a stacked tensor are one contiguous range
+                    part = np.empty((n, c.nbytes), np.uint8)
+                    read_exact(fds[r.file], r.start + e0 * c.nbytes, memoryview(part).cast("B"),
+                               f"{r.file} (layer {layer}, {c.name})")
+                    blobs[:n, c.offset:c.offset + c.nbytes] = part
+                f.write(memoryview(blobs[:n]).cast("B"))
+                bar.update(n * layout.blob_size)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _copy_side_files(src: Path, work: Path) -> None:
+    """Tokenizer, generation config, chat template, custom model code: all but weights."""
+    for f in src.iterdir():
+        if f.is_file() and f.name not in SKIP_FILES and not f.name.endswith(".safetensors"):
+            shutil.copy2(f, work / f.name)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def verify_conversion(src, dst, *, progress: bool = True) -> None:
+    """Re-read every expert of ``dst`` and compare it byte for byte with ``src``; raise on a mismatch.
+
+    Dense tensors are compared too (by SHA-256 of their bytes)."""
+    from .safetensors_index import index_directory
+    from .checkpoint import packed_layout
+
+    src, dst = Path(src), Path(dst)
+    ckpt = scan_checkpoint(src)
+    layout = packed_layout(dst)
+    if layout.to_dict() != ckpt.layout.to_dict():
+        raise ConvertError(f"{dst}: layout does not match the source {src}")
+    dense_dst = index_directory(dst)
+    if sorted(dense_dst) != sorted(ckpt.dense):
+        raise ConvertError(f"{dst}: dense tensors differ from the source's")
+    total = layout.total_expert_bytes + sum(r.nbytes for r in ckpt.dense.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=not progress) as bar:
+        for name, r in ckpt.dense.items():
+            a, b = _digest(r), _digest(dense_dst[name])
+            if a != b:
+                raise ConvertError(f"{dst}: tensor {name} differs from the source")
+            bar.update(r.nbytes)
+        for layer, lay in sorted(layout.layers.items()):
+            path = packed_file(dst, layer)
+            size = path.stat().st_size
+            if size != lay.layer_bytes:
+                raise ConvertError(f"{path}: {size} bytes, expected {lay.layer_bytes}")
+            from .store import SafetensorsLayer, PackedLayer
+            want = SafetensorsLayer(layer, lay, ckpt.ranges[layer])
+            got = PackedLayer(layer, lay, path)
+            try:
+                step = max(1, CHUNK_BYTES // lay.blob_size)
+                for e0 in range(0, lay.num_experts, step):
+                    experts = np.arange(e0, min(e0 + step, lay.num_experts))
+                    a = np.empty((len(experts), lay.blob_size), np.uint8)
+                    b = np.empty_like(a)
+                    want.read_pread(experts, a)
+                    got.read_pread(experts, b)
+                    for c in lay.components:  # padding is not compared: the source has none
+                        sl = slice(c.offset, c.offset + c.nbytes)
+                        bad = np.flatnonzero((a[:, sl] != b[:, sl]).any(axis=1))
+                        if bad.size:
+                            raise ConvertError(f"{path}: expert {int(experts[bad[0]])} ({c.name}) "
+                                               f"differs from the source")
+                    bar.update(len(experts) * lay.blob_size)
+            finally:
+                want.close()
+                got.close()
+    log.info("verified %s against %s", dst, src)
+
+
+def _digest(r: TensorRange) -> bytes:
+    h = hashlib.sha256()
+    buf = bytearray(min(CHUNK_BYTES, max(r.nbytes, 1)))
+    with open(r.file, "rb", buffering=0) as f:
+        for start in range(0, r.nbytes, len(buf)):
+            n = min(len(buf), r.nbytes - start)
+            view = memoryview(buf)[:n]
+            read_exact(f.fileno(), r.start + start, view, str(r.file))
+            h.update(view)
+    return h.digest()

@@ -1,0 +1,163 @@
+"""``load`` and ``patch_model``: an ordinary mlx-lm model whose experts stream from disk.
+
+The model is built by mlx-lm's own ``load_model``; before any weight is materialized every
+``SwitchGLU`` / ``SwitchMLP`` named in the expert layout is replaced by a ``StreamingSwitchGLU``,
+and the expert tensors are dropped from the (lazy) weight dict, so they are never read at load.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional, Tuple
+
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+from mlx_lm.utils import _get_classes, load_model, load_tokenizer
+
+from .backends import select_backend
+from .cache import StagingCache
+from .checkpoint import EXPERT_KEY
+from .errors import CheckpointError, LayoutError, ModelClosedError
+from .layout import ExpertLayout, ModelLayout
+from .module import StreamingSwitchGLU
+from .stats import Stats
+from .store import ExpertStore, open_store
+
+log = logging.getLogger(__name__)
+
+
+class StreamingRuntime:
+    """What the streaming modules of one model share: store, cache, backend and counters.
+
+    Reached as ``model.moeflux``; ``close()`` (or ``with``) releases files, maps and threads."""
+
+    def __init__(self, store: ExpertStore, layout: ModelLayout, cache, backend):
+        self.store, self.layout, self.cache, self.backend = store, layout, cache, backend
+        self._stats = Stats()
+        self.closed = False
+
+    @property
+    def stats(self) -> Stats:
+        return self._stats
+
+    def stats_dict(self) -> dict:
+        d = self._stats.to_dict()
+        d.update(io_mode=self.store.io_mode, cache=self.cache.name, backend=self.backend.name)
+        return d
+
+    def reset_stats(self) -> None:
+        self._stats.reset()
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise ModelClosedError("this moeflux model was closed; load it again")
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.cache.close()
+            self.store.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _check_shapes(switch: nn.Module, layout: ExpertLayout, where: str) -> None:
+    """The model's SwitchGLU (still unquantized, random, lazy) must match the layout."""
+    for proj in layout.projections:
+        lin = getattr(switch, proj, None)
+        if lin is None:
+            raise LayoutError(f"{where}: the model's {type(switch).__name__} has no {proj}")
+        e, out_dims, in_dims = lin.weight.shape
+        w = layout.component(f"{proj}.weight")
+        q = layout.quant(proj)
+        got_in = w.shape[-1] * 32 // q.bits if q else w.shape[-1]
+        if (e, out_dims, in_dims) != (layout.num_experts, w.shape[0], got_in):
+            raise LayoutError(f"{where}: {proj} is [{layout.num_experts}, {w.shape[0]}, {got_in}] "
+                              f"in the expert files but [{e}, {out_dims}, {in_dims}] in the model "
+                              "config; the files do not belong to this config")
+
+
+def _replace_switch_modules(model: nn.Module, runtime: StreamingRuntime) -> None:
+    modules = dict(model.named_modules())
+    for layer, path in sorted(runtime.layout.module_paths.items()):
+        where = f"layer {layer} ({path})"
+        switch = modules.get(path)
+        if not isinstance(switch, (SwitchGLU, SwitchMLP, StreamingSwitchGLU)):
+            raise LayoutError(f"{where}: the model has no SwitchGLU there "
+                              f"(found {type(switch).__name__}); wrong config for these experts?")
+        if isinstance(switch, StreamingSwitchGLU):
+            raise CheckpointError(f"{where}: the model is already patched")
+        _check_shapes(switch, runtime.layout.layers[layer], where)
+        parent_path, name = path.rsplit(".", 1)
+        setattr(modules[parent_path], name,
+                StreamingSwitchGLU(layer, runtime, switch.activation))
+    left = [p for p, m in model.named_modules() if isinstance(m, (SwitchGLU, SwitchMLP))]
+    if left:
+        raise CheckpointError(f"the model has experts at {left} but the checkpoint has none "
+                              "for them")
+
+
+def _make_runtime(source, expert_io, backend, threads) -> StreamingRuntime:
+    store, layout = open_store(Path(source), expert_io, threads)
+    try:
+        return StreamingRuntime(store, layout, StagingCache(store), select_backend(backend))
+    except Exception:
+        store.close()
+        raise
+
+
+def patch_model(model: nn.Module, source, *, expert_io: Optional[str] = None,
+                backend: Optional[str] = None, threads: int = 8) -> nn.Module:
+    """Replace the experts of an mlx-lm ``model`` (built by the user, e.g. ``mlx_lm.load(...,
+    lazy=True)``) by streaming modules reading from ``source`` (converted or plain checkpoint)."""
+    runtime = _make_runtime(source, expert_io, backend, threads)
+    try:
+        _replace_switch_modules(model, runtime)
+    except Exception:
+        runtime.close()
+        raise
+    model.moeflux = runtime
+    return model
+
+
+def load(path, *, expert_io: Optional[str] = None, backend: Optional[str] = None,
+         threads: int = 8, model_config: Optional[dict] = None,
+         tokenizer_config: Optional[dict] = None) -> Tuple[nn.Module, object]:
+    """Load a converted directory or a plain mlx-lm checkpoint with experts streamed from disk.
+
+    Returns ``(model, tokenizer)`` like ``mlx_lm.load``; ``model.moeflux`` is the runtime
+    (``stats_dict()``, ``reset_stats()``, ``close()``)."""
+    path = Path(path)
+    runtime = _make_runtime(path, expert_io, backend, threads)
+
+    def get_classes(config):
+        model_class, args_class = _get_classes(config)
+
+        def build(args):
+            model = model_class(args)
+            _replace_switch_modules(model, runtime)
+            sanitize = getattr(model, "sanitize", None)
+
+            def drop_experts(weights):
+                weights = sanitize(weights) if sanitize else weights
+                return {k: v for k, v in weights.items() if not EXPERT_KEY.match(k)}
+
+            model.sanitize = drop_experts
+            return model
+
+        return build, args_class
+
+    try:
+        model, config = load_model(path, model_config=model_config, get_model_classes=get_classes)
+        tokenizer = load_tokenizer(path, tokenizer_config,
+                                   eos_token_ids=config.get("eos_token_id", None))
+    except Exception:
+        runtime.close()
+        raise
+    model.moeflux = runtime
+    return model, tokenizer

@@ -1,0 +1,43 @@
+"""The drop-in replacement for mlx-lm's ``SwitchGLU`` / ``SwitchMLP``.
+
+The router stays in mlx-lm's model code; this module receives its expert indices, makes the
+routed experts resident (store -> cache) and runs the expert computation (backend) on them."""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+
+class StreamingSwitchGLU(nn.Module):
+    """Computes what the replaced ``SwitchGLU`` computed, with experts streamed from disk.
+
+    It holds no parameters: the expert weights are not part of the model's state."""
+
+    def __init__(self, layer: int, runtime, activation):
+        super().__init__()
+        self.layer = layer
+        self.activation = activation
+        self._runtime = runtime  # plain attribute, not a child module
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        rt = self._runtime
+        rt.check_open()
+        stats = rt.stats.layer(self.layer)
+        t0 = time.perf_counter()
+        idx = np.array(indices)  # the one host sync per MoE layer: which experts were routed
+        t1 = time.perf_counter()
+        experts, inverse = np.unique(idx, return_inverse=True)
+        slot_of, pool = rt.cache.fetch(self.layer, experts, stats)
+        t2 = time.perf_counter()
+        slots = mx.array(slot_of[inverse].reshape(idx.shape))
+        out = rt.backend(x, slots, pool, self.activation)
+        stats.calls += 1
+        stats.tokens += int(np.prod(idx.shape[:-1]))
+        stats.experts_routed += len(experts)
+        stats.sync_s += t1 - t0
+        stats.compute_s += time.perf_counter() - t2
+        return out

@@ -1,0 +1,52 @@
+"""Per-layer counters of the streaming path: what was read, and where the time went."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Dict
+
+
+@dataclass
+class LayerStats:
+    calls: int = 0  # SwitchGLU calls (one per forward pass of the layer)
+    tokens: int = 0
+    experts_routed: int = 0  # unique experts the router asked for, summed over calls
+    experts_read: int = 0  # of those, read from disk (cache misses)
+    bytes_read: int = 0
+    sync_s: float = 0.0  # waiting for the router's indices (device -> host)
+    io_s: float = 0.0  # reading experts from disk into host memory
+    upload_s: float = 0.0  # host -> MLX memory, and slot updates
+    compute_s: float = 0.0  # building the expert computation (lazy; device time lands in sync_s)
+
+    def add(self, other: "LayerStats") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+@dataclass
+class Stats:
+    layers: Dict[int, LayerStats] = field(default_factory=dict)
+
+    def layer(self, i: int) -> LayerStats:
+        if i not in self.layers:
+            self.layers[i] = LayerStats()
+        return self.layers[i]
+
+    def total(self) -> LayerStats:
+        t = LayerStats()
+        for s in self.layers.values():
+            t.add(s)
+        return t
+
+    @property
+    def hit_rate(self) -> float:
+        t = self.total()
+        return 1.0 - t.experts_read / t.experts_routed if t.experts_routed else 0.0
+
+    def to_dict(self) -> dict:
+        total = asdict(self.total())
+        total["hit_rate"] = self.hit_rate
+        return {"total": total, "layers": {i: asdict(s) for i, s in sorted(self.layers.items())}}
+
+    def reset(self) -> None:
+        self.layers.clear()
