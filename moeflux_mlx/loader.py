@@ -16,7 +16,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
 from .backends import select_backend
-from .cache import StagingCache
+from .cache import make_cache
 from .checkpoint import EXPERT_KEY
 from .errors import CheckpointError, LayoutError, ModelClosedError
 from .layout import ExpertLayout, ModelLayout
@@ -102,20 +102,21 @@ def _replace_switch_modules(model: nn.Module, runtime: StreamingRuntime) -> None
                               "for them")
 
 
-def _make_runtime(source, expert_io, backend, threads) -> StreamingRuntime:
+def _make_runtime(source, expert_io, backend, threads, cache_budget) -> StreamingRuntime:
     store, layout = open_store(Path(source), expert_io, threads)
     try:
-        return StreamingRuntime(store, layout, StagingCache(store), select_backend(backend))
+        cache = make_cache(store, layout, cache_budget)
+        return StreamingRuntime(store, layout, cache, select_backend(backend))
     except Exception:
         store.close()
         raise
 
 
 def patch_model(model: nn.Module, source, *, expert_io: Optional[str] = None,
-                backend: Optional[str] = None, threads: int = 8) -> nn.Module:
+                backend: Optional[str] = None, cache_budget=None, threads: int = 8) -> nn.Module:
     """Replace the experts of an mlx-lm ``model`` (built by the user, e.g. ``mlx_lm.load(...,
     lazy=True)``) by streaming modules reading from ``source`` (converted or plain checkpoint)."""
-    runtime = _make_runtime(source, expert_io, backend, threads)
+    runtime = _make_runtime(source, expert_io, backend, threads, cache_budget)
     try:
         _replace_switch_modules(model, runtime)
     except Exception:
@@ -126,14 +127,17 @@ def patch_model(model: nn.Module, source, *, expert_io: Optional[str] = None,
 
 
 def load(path, *, expert_io: Optional[str] = None, backend: Optional[str] = None,
-         threads: int = 8, model_config: Optional[dict] = None,
+         cache_budget=None, threads: int = 8, model_config: Optional[dict] = None,
          tokenizer_config: Optional[dict] = None) -> Tuple[nn.Module, object]:
     """Load a converted directory or a plain mlx-lm checkpoint with experts streamed from disk.
 
+    ``expert_io``: ``auto`` (the RAM gate), ``mmap`` or ``pread``. ``backend``: ``auto``, ``ops``,
+    ``metal`` or ``cuda``. ``cache_budget``: MLX memory for resident experts: bytes, ``"8GB"``,
+    a fraction of RAM, ``"all"``, or 0 for none (default: all experts if they fit in 0.4 x RAM).
     Returns ``(model, tokenizer)`` like ``mlx_lm.load``; ``model.moeflux`` is the runtime
     (``stats_dict()``, ``reset_stats()``, ``close()``)."""
     path = Path(path)
-    runtime = _make_runtime(path, expert_io, backend, threads)
+    runtime = _make_runtime(path, expert_io, backend, threads, cache_budget)
 
     def get_classes(config):
         model_class, args_class = _get_classes(config)

@@ -9,9 +9,12 @@ from typing import Dict
 @dataclass
 class LayerStats:
     calls: int = 0  # SwitchGLU calls (one per forward pass of the layer)
-    tokens: int = 0
-    experts_routed: int = 0  # unique experts the router asked for, summed over calls
-    experts_read: int = 0  # of those, read from disk (cache misses)
+    unsynced_calls: int = 0  # of those, served with every expert resident: no host sync
+    tokens: int = 0  # tokens of the synced calls
+    experts_routed: int = 0  # unique experts the router asked for, summed over synced calls
+    experts_missed: int = 0  # of those, not resident when asked
+    prefetch_hits: int = 0  # misses whose bytes a prefetch had already read
+    experts_read: int = 0  # blobs read from disk (misses, whole-layer fills, prefetches)
     bytes_read: int = 0
     sync_s: float = 0.0  # waiting for the router's indices (device -> host)
     io_s: float = 0.0  # reading experts from disk into host memory
@@ -41,7 +44,7 @@ class Stats:
     @property
     def hit_rate(self) -> float:
         t = self.total()
-        return 1.0 - t.experts_read / t.experts_routed if t.experts_routed else 0.0
+        return 1.0 - t.experts_missed / t.experts_routed if t.experts_routed else 0.0
 
     def to_dict(self) -> dict:
         total = asdict(self.total())
