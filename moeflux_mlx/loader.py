@@ -67,12 +67,12 @@ class StreamingRuntime:
 
 
 def _check_shapes(switch: nn.Module, layout: ExpertLayout, where: str) -> None:
-    """The model's SwitchGLU (still unquantized, random, lazy) must match the layout."""
+    """The model's SwitchGLU (unquantized and lazy from load, or quantized) must match the layout."""
     for proj in layout.projections:
         lin = getattr(switch, proj, None)
         if lin is None:
             raise LayoutError(f"{where}: the model's {type(switch).__name__} has no {proj}")
-        e, out_dims, in_dims = lin.weight.shape
+        e, out_dims, in_dims = lin.num_experts, lin.output_dims, lin.input_dims
         w = layout.component(f"{proj}.weight")
         q = layout.quant(proj)
         got_in = w.shape[-1] * 32 // q.bits if q else w.shape[-1]

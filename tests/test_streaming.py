@@ -1,0 +1,172 @@
+"""Issue 3: the streaming model equals stock mlx-lm bit for bit on the CPU backend."""
+
+import logging
+import subprocess
+import sys
+import textwrap
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.switch_layers import SwitchGLU
+
+import moeflux_mlx
+from moeflux_mlx import synth
+from moeflux_mlx.module import StreamingSwitchGLU
+from moeflux_mlx.store import select_expert_io
+
+MAX_TOKENS = 64
+
+
+def _prompts(tokenizer):
+    long = " ".join(["the quick brown fox jumps over the lazy dog"] * 14)
+    one = tokenizer.encode("hi", add_special_tokens=False)[:1]
+    many = tokenizer.encode(long)
+    assert len(one) == 1 and len(many) >= 100
+    return [one, many]
+
+
+def _decode(model, prompt, cache):
+    tokens, logprobs = [], []
+    for (tok, lp), _ in zip(generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS,
+                                          prompt_cache=cache), range(MAX_TOKENS)):
+        tokens.append(int(tok))
+        logprobs.append(lp)
+    return tokens, mx.stack(logprobs)
+
+
+def _two_turns(model, prompts):
+    """Two turns sharing one prompt cache, as a chat does; per prompt."""
+    out = []
+    for prompt in prompts:
+        cache = make_prompt_cache(model)
+        first = _decode(model, prompt, cache)
+        second = _decode(model, first[0][-1:] + prompt[:7], cache)
+        out.append((first, second))
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(tiny_checkpoints):
+    refs = {}
+    for arch, (src, _) in tiny_checkpoints.items():
+        model, tokenizer = mlx_lm.load(str(src))
+        prompts = _prompts(tokenizer)
+        refs[arch] = (prompts, _two_turns(model, prompts))
+    return refs
+
+
+def _assert_same(got, want):
+    for (g1, g2), (w1, w2) in zip(got, want):
+        for (gt, gl), (wt, wl) in ((g1, w1), (g2, w2)):
+            assert gt == wt
+            assert mx.array_equal(gl, wl).item(), float(mx.abs(gl - wl).max())
+
+
+@pytest.mark.parametrize("arch", synth.ARCHITECTURES)
+@pytest.mark.parametrize("source", ["packed", "plain"])
+@pytest.mark.parametrize("expert_io", ["pread", "mmap"])
+def test_equals_stock_mlx_lm(tiny_checkpoints, references, arch, source, expert_io):
+    src, packed = tiny_checkpoints[arch]
+    prompts, want = references[arch]
+    model, _ = moeflux_mlx.load(packed if source == "packed" else src, expert_io=expert_io,
+                                cache_budget=0)
+    with model.moeflux as rt:
+        assert not any(isinstance(m, SwitchGLU) for _, m in model.named_modules())
+        _assert_same(_two_turns(model, prompts), want)
+        st = rt.stats_dict()
+        assert st["io_mode"] == expert_io and st["cache"] == "staging"
+        assert st["total"]["experts_read"] > 0 and st["total"]["bytes_read"] > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("budget", [0.25, "all"])
+def test_cache_budgets_equal_stock(tiny_checkpoints, references, arch, budget):
+    src, packed = tiny_checkpoints[arch]
+    prompts, want = references[arch]
+    total = moeflux_mlx.store.open_store(packed)[1].total_expert_bytes
+    budget_bytes = int(total * budget) if budget != "all" else "all"
+    model, _ = moeflux_mlx.load(packed, cache_budget=budget_bytes)
+    with model.moeflux as rt:
+        _assert_same(_two_turns(model, prompts), want)
+        t = rt.stats_dict()["total"]
+        assert rt.cache.name == "lru"
+        if budget == "all":  # filled once, then no host syncs at all
+            assert t["unsynced_calls"] > 0.9 * t["calls"]
+            assert t["experts_read"] == sum(l.num_experts for l in rt.layout.layers.values())
+        else:
+            assert 0 < t["experts_missed"] < t["experts_routed"]
+            assert 0.0 < rt.stats.hit_rate < 1.0
+
+
+def test_patch_model_on_a_user_built_model(tiny_checkpoints, references):
+    src, packed = tiny_checkpoints["mixtral"]
+    prompts, want = references["mixtral"]
+    model, _ = mlx_lm.load(str(src), lazy=True)
+    moeflux_mlx.patch_model(model, packed)
+    with model.moeflux:
+        assert sum(isinstance(m, StreamingSwitchGLU) for _, m in model.named_modules()) >= 2
+        _assert_same(_two_turns(model, prompts), want)
+
+
+def test_mlx_lm_generate_and_stats_reset(tiny_checkpoints):
+    src, packed = tiny_checkpoints["qwen3_5_moe"]
+    model, tokenizer = moeflux_mlx.load(packed)
+    ref_model, _ = mlx_lm.load(str(src))
+    with model.moeflux as rt:
+        text = mlx_lm.generate(model, tokenizer, "hello there", max_tokens=20)
+        assert text == mlx_lm.generate(ref_model, tokenizer, "hello there", max_tokens=20)
+        assert rt.stats_dict()["total"]["calls"] > 0
+        rt.reset_stats()
+        assert rt.stats_dict()["total"]["calls"] == 0
+    with pytest.raises(moeflux_mlx.ModelClosedError):
+        model(mx.array([[1, 2]]))
+
+
+def test_ram_gate(monkeypatch, caplog):
+    import moeflux_mlx.store as store
+
+    class VM:
+        total = 16 * 2**30
+
+    monkeypatch.setattr(store.psutil, "virtual_memory", lambda: VM)
+    monkeypatch.delenv("MOEFLUX_EXPERT_IO", raising=False)
+    assert select_expert_io(int(0.75 * VM.total) + 1) == "pread"
+    assert select_expert_io(int(0.75 * VM.total)) == "mmap"
+    monkeypatch.setenv("MOEFLUX_EXPERT_IO", "pread")
+    assert select_expert_io(10) == "pread"
+    assert select_expert_io(10, "mmap") == "mmap"  # the argument wins over the environment
+    monkeypatch.setenv("MOEFLUX_EXPERT_IO", "bogus")
+    with caplog.at_level(logging.INFO, logger="moeflux_mlx.store"):
+        assert select_expert_io(123_456_789) == "mmap"
+        assert select_expert_io(123_456_789) == "mmap"
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings and "bogus" in warnings[0].getMessage()
+    decisions = [r.getMessage() for r in caplog.records if r.getMessage().startswith("expert I/O")]
+    assert len(decisions) == 1 and "0.12 GB" in decisions[0] and "RAM 17.18 GB" in decisions[0]
+
+
+LOAD_RSS = textwrap.dedent("""
+    import sys, psutil, mlx.core as mx, moeflux_mlx
+    model, tok = moeflux_mlx.load(sys.argv[1], cache_budget=0)
+    print(psutil.Process().memory_info().rss, mx.get_active_memory())
+""")
+
+
+def test_load_memory_is_independent_of_expert_size(tmp_path):
+    rss = {}
+    for n in (32, 128):
+        src = synth.build_checkpoint(tmp_path / f"e{n}", "qwen3_moe", "small",
+                                     overrides={"num_experts": n, "moe_intermediate_size": 512})
+        experts = moeflux_mlx.store.open_store(src)[1].total_expert_bytes
+        out = subprocess.run([sys.executable, "-c", LOAD_RSS, str(src)], capture_output=True,
+                             text=True, check=True)
+        rss[n] = (*map(int, out.stdout.split()), experts)
+    (rss16, mlx16, e16), (rss64, mlx64, e64) = rss[32], rss[128]
+    print(f"experts {e16 / 1e6:.0f} -> {e64 / 1e6:.0f} MB; RSS {rss16 / 1e6:.0f} -> "
+          f"{rss64 / 1e6:.0f} MB; MLX active {mlx16 / 1e6:.1f} -> {mlx64 / 1e6:.1f} MB")
+    assert e64 - e16 > 150e6
+    assert rss64 - rss16 < 0.05 * (e64 - e16)
+    assert mlx64 - mlx16 < 0.05 * (e64 - e16)
