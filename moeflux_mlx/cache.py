@@ -1,11 +1,19 @@
-"""Where routed experts live in MLX memory between reads: a pool of slots per layer.
+"""Where routed experts live in MLX memory: a pool of slots per layer, written in place.
 
-``StagingCache`` keeps nothing between calls: each call reads the routed experts, uploads them
-as one array and computes on that (slot i = the i-th routed expert).
+A ``SlotPool`` holds, per component, one uint8 MLX array ``[n_slots, nbytes]`` plus typed views
+of it for the kernels (same buffer). Experts read from disk are copied into their slots through a
+writable host view of that memory, so no ``mx.array`` copy and no scatter is needed: on Metal
+and the CPU that view is the memory the kernels read; on CUDA it is managed memory.
 
-``ExpertCache`` keeps a pool of slots per layer under a byte budget (LRU eviction). A layer whose
-budget holds all its experts is filled once, on first use, with slot = expert id; from then on
-its router indices go to the kernels as they are, with no host sync at all.
+``StagingCache`` keeps nothing between calls: every call reads the routed experts into slots
+``0..n-1``. ``ExpertCache`` keeps slots under a byte budget with LRU eviction; a layer whose
+budget holds all its experts is filled once, on first use, with slot = expert id, and from then
+on its router indices go to the kernels unchanged, with no host sync at all.
+
+Writing a slot that a not-yet-evaluated computation still reads would change that computation's
+answer. The streaming module enqueues every computation that reads a writable pool at once
+(``mx.async_eval``), and writes only follow a host sync on work enqueued later on the same
+in-order stream, so a pool never changes under a pending read.
 """
 
 from __future__ import annotations
@@ -23,65 +31,85 @@ from .backends import MX_DTYPES, ExpertPool
 from .layout import ExpertLayout, ModelLayout
 from .stats import LayerStats
 from .store import ExpertStore
+from .upload import host_view
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RAM_FRACTION = 0.4  # of physical RAM, when no budget is given and the experts do not fit
+FILL_CHUNK_BYTES = 64 << 20
 
 
-def _upload(blobs: np.ndarray) -> mx.array:
-    return mx.array(blobs)
+class SlotPool:
+    """``n_slots`` expert slots of one layer in MLX memory, writable from the host."""
+
+    def __init__(self, layout: ExpertLayout, n_slots: int):
+        self.layout, self.n_slots = layout, n_slots
+        raw = {c.name: mx.zeros((n_slots, c.nbytes), mx.uint8) for c in layout.components}
+        typed = {c.name: raw[c.name].view(MX_DTYPES[c.dtype]).reshape(n_slots, *c.shape)
+                 for c in layout.components}
+        mx.eval(list(raw.values()), list(typed.values()))  # typed views share raw's buffers
+        self.raw = raw
+        self.host = {name: host_view(a) for name, a in raw.items()}
+        self.pool = ExpertPool(typed, layout.quantization, layout.overrides)
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_slots * sum(c.nbytes for c in self.layout.components)
+
+    def write(self, slots: np.ndarray, blobs: np.ndarray) -> None:
+        """Copy ``blobs`` ``[n, blob_size]`` into ``slots``."""
+        for c in self.layout.components:
+            self.host[c.name][slots] = blobs[:, c.offset:c.offset + c.nbytes]
+
+
+def _read(store: ExpertStore, layer: int, experts: np.ndarray, stats: LayerStats) -> np.ndarray:
+    t0 = time.perf_counter()
+    blobs = store.read(layer, experts)
+    stats.io_s += time.perf_counter() - t0
+    stats.experts_read += len(experts)
+    stats.bytes_read += blobs.nbytes
+    return blobs
+
+
+def _write(pool: SlotPool, slots: np.ndarray, blobs: np.ndarray, stats: LayerStats) -> None:
+    t0 = time.perf_counter()
+    pool.write(slots, blobs)
+    stats.upload_s += time.perf_counter() - t0
 
 
 class StagingCache:
+    """No residency: each call reads the routed experts into slots ``0..n-1``."""
+
     name = "staging"
 
     def __init__(self, store: ExpertStore):
         self.store = store
+        self.pools: Dict[int, SlotPool] = {}
 
     def resident_pool(self, layer: int) -> Optional[ExpertPool]:
         return None
 
     def fetch(self, layer: int, experts: np.ndarray, stats: LayerStats) -> Tuple[np.ndarray, ExpertPool]:
         """Make ``experts`` (sorted, unique) resident; return their slots and the pool."""
-        t0 = time.perf_counter()
-        blobs = self.store.read(layer, experts)
-        t1 = time.perf_counter()
-        pool = ExpertPool.from_blobs(_upload(blobs), self.store.layout(layer))
-        stats.io_s += t1 - t0
-        stats.upload_s += time.perf_counter() - t1
+        pool = self.pools.get(layer)
+        if pool is None or pool.n_slots < len(experts):
+            pool = self.pools[layer] = SlotPool(self.store.layout(layer), len(experts))
+        slots = np.arange(len(experts))
+        _write(pool, slots, _read(self.store, layer, experts, stats), stats)
         stats.experts_missed += len(experts)
-        stats.experts_read += len(experts)
-        stats.bytes_read += blobs.nbytes
-        return np.arange(len(experts), dtype=np.uint32), pool
+        return slots.astype(np.uint32), pool.pool
 
     def close(self) -> None:
-        pass
+        self.pools.clear()
 
 
-class _LayerSlots:
-    """One layer's slot pool: typed arrays ``[n_slots, *shape]`` and the LRU bookkeeping."""
+class _LRU:
+    """Slot bookkeeping of one layer."""
 
-    def __init__(self, layout: ExpertLayout, n_slots: int):
-        self.layout = layout
-        self.n_slots = n_slots
-        self.slot_of = np.full(layout.num_experts, -1, np.int64)  # expert -> slot
+    def __init__(self, num_experts: int, n_slots: int):
+        self.slot_of = np.full(num_experts, -1, np.int64)  # expert -> slot
         self.expert_in = np.full(n_slots, -1, np.int64)  # slot -> expert
         self.last_used = np.full(n_slots, -1, np.int64)  # -1: free
-        self.arrays: Optional[Dict[str, mx.array]] = None
-        self.resident = False  # every expert is in its own slot (slot == expert id)
-
-    def pool(self) -> ExpertPool:
-        return ExpertPool(self.arrays, self.layout.quantization, self.layout.overrides)
-
-    def write(self, slots: np.ndarray, blobs: mx.array) -> None:
-        new = ExpertPool.from_blobs(blobs, self.layout).arrays
-        if self.arrays is None:
-            self.arrays = {c.name: mx.zeros((self.n_slots, *c.shape), MX_DTYPES[c.dtype])
-                           for c in self.layout.components}
-        idx = mx.array(slots.astype(np.uint32))
-        for name, arr in self.arrays.items():
-            arr[idx] = new[name]  # in place: MLX donates the pool's buffer to the scatter
 
 
 class ExpertCache:
@@ -93,87 +121,78 @@ class ExpertCache:
         self.store = store
         self.budget_bytes = budget_bytes
         total = layout.total_expert_bytes
-        self.layers: Dict[int, _LayerSlots] = {}
+        self.n_slots: Dict[int, int] = {}
         for i, lay in layout.layers.items():
             share = budget_bytes * lay.layer_bytes / total if total else 0
-            n = int(min(lay.num_experts, share // lay.blob_size))
-            self.layers[i] = _LayerSlots(lay, n)
+            self.n_slots[i] = int(min(lay.num_experts, share // lay.blob_size))
+        self.pools: Dict[int, SlotPool] = {}  # allocated on a layer's first use
+        self.lru: Dict[int, _LRU] = {}
+        self.resident: Dict[int, ExpertPool] = {}
+        self.overflow = StagingCache(store)
         self.tick = 0
 
     @property
     def capacity_bytes(self) -> int:
-        return sum(s.n_slots * s.layout.blob_size for s in self.layers.values())
+        return sum(n * self.store.layout(i).blob_size for i, n in self.n_slots.items())
 
     def resident_pool(self, layer: int) -> Optional[ExpertPool]:
-        s = self.layers[layer]
-        return s.pool() if s.resident else None
+        return self.resident.get(layer)
 
     def fetch(self, layer: int, experts: np.ndarray, stats: LayerStats) -> Tuple[np.ndarray, ExpertPool]:
-        s = self.layers[layer]
-        if s.n_slots == s.layout.num_experts:
-            self._fill_layer(layer, s, stats)
-            stats.experts_missed += len(experts)
-            return experts.astype(np.uint32), s.pool()
-        if len(experts) > s.n_slots:
+        n_slots, layout = self.n_slots[layer], self.store.layout(layer)
+        if len(experts) > n_slots:
             # more experts than slots (a long prefill on a small budget): stage them uncached
-            return StagingCache(self.store).fetch(layer, experts, stats)
+            return self.overflow.fetch(layer, experts, stats)
+        pool = self.pools.get(layer)
+        if pool is None:
+            pool = self.pools[layer] = SlotPool(layout, n_slots)
+            self.lru[layer] = _LRU(layout.num_experts, n_slots)
+        if n_slots == layout.num_experts:
+            self._fill_layer(layer, pool, stats)
+            stats.experts_missed += len(experts)
+            return experts.astype(np.uint32), pool.pool
+        lru = self.lru[layer]
         self.tick += 1
-        slots = s.slot_of[experts]
+        slots = lru.slot_of[experts]
         hit = slots >= 0
-        s.last_used[slots[hit]] = self.tick
+        lru.last_used[slots[hit]] = self.tick
         missing = experts[~hit]
         if missing.size:
-            t0 = time.perf_counter()
-            blobs = self.store.read(layer, missing)
-            t1 = time.perf_counter()
             # victims: free slots first, then the least recently used not needed now
-            victims = np.argpartition(s.last_used, missing.size - 1)[:missing.size]
-            old = s.expert_in[victims]
-            s.slot_of[old[old >= 0]] = -1
-            s.slot_of[missing] = victims
-            s.expert_in[victims] = missing
-            s.last_used[victims] = self.tick
-            s.write(victims, _upload(blobs))
-            slots = s.slot_of[experts]
-            stats.io_s += t1 - t0
-            stats.upload_s += time.perf_counter() - t1
+            victims = np.argpartition(lru.last_used, missing.size - 1)[:missing.size]
+            blobs = _read(self.store, layer, missing, stats)
+            old = lru.expert_in[victims]
+            lru.slot_of[old[old >= 0]] = -1
+            lru.slot_of[missing] = victims
+            lru.expert_in[victims] = missing
+            lru.last_used[victims] = self.tick
+            _write(pool, victims, blobs, stats)
+            slots = lru.slot_of[experts]
             stats.experts_missed += missing.size
-            stats.experts_read += missing.size
-            stats.bytes_read += blobs.nbytes
-        return slots.astype(np.uint32), s.pool()
+        return slots.astype(np.uint32), pool.pool
 
-    def _fill_layer(self, layer: int, s: _LayerSlots, stats: LayerStats) -> None:
+    def _fill_layer(self, layer: int, pool: SlotPool, stats: LayerStats) -> None:
         """Read the whole layer once, in bounded chunks; afterwards slot == expert id."""
-        t0 = time.perf_counter()
-        io = 0.0
-        step = max(1, (64 << 20) // s.layout.blob_size)
-        for e0 in range(0, s.layout.num_experts, step):
-            experts = np.arange(e0, min(e0 + step, s.layout.num_experts))
-            t = time.perf_counter()
-            blobs = self.store.read(layer, experts)
-            io += time.perf_counter() - t
-            s.write(experts, _upload(blobs))
-            mx.eval(list(s.arrays.values()))
-        s.slot_of[:] = np.arange(s.layout.num_experts)
-        s.expert_in[:] = s.slot_of
-        s.resident = True
-        stats.io_s += io
-        stats.upload_s += time.perf_counter() - t0 - io
-        stats.experts_read += s.layout.num_experts
-        stats.bytes_read += s.layout.layer_bytes
+        n = pool.layout.num_experts
+        step = max(1, FILL_CHUNK_BYTES // pool.layout.blob_size)
+        for e0 in range(0, n, step):
+            experts = np.arange(e0, min(e0 + step, n))
+            _write(pool, experts, _read(self.store, layer, experts, stats), stats)
+        self.resident[layer] = pool.pool
 
     def close(self) -> None:
-        for s in self.layers.values():
-            s.arrays = None
-            s.resident = False
+        self.pools.clear()
+        self.resident.clear()
+        self.overflow.close()
 
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*([kmgt]?i?b?)?\s*$", re.I)
 
 
 def parse_budget(budget, total_expert_bytes: int) -> int:
-    """Bytes from ``8GB`` / ``512MiB`` / a number of bytes / a fraction of RAM (0 < x <= 1) /
-    ``"all"`` (every expert); ``None``: all experts when they fit in 0.4 x RAM, else 0.4 x RAM."""
+    """Bytes from ``8GB`` / ``512MiB`` (binary units) / a number of bytes / a fraction of RAM
+    (a float in (0, 1]) / ``"all"`` (every expert). ``None``: all experts when they fit in
+    0.4 x RAM, else 0.4 x RAM."""
     ram = psutil.virtual_memory().total
     if budget is None:
         return int(min(total_expert_bytes, DEFAULT_RAM_FRACTION * ram))
@@ -183,24 +202,21 @@ def parse_budget(budget, total_expert_bytes: int) -> int:
         m = _SIZE.match(budget)
         if not m:
             raise ValueError(f"cache budget {budget!r}: expected e.g. 8GB, 512MiB, 0.25 or all")
-        value, unit = float(m[1]), (m[2] or "").lower().rstrip("b").rstrip("i")
-        if not unit:
-            budget = value
-        else:
-            return int(value * 1024 ** " kmgt".index(unit))
-    if 0 <= budget <= 1 and isinstance(budget, float):
-        return int(budget * ram)
+        unit = (m[2] or "").lower().rstrip("b").rstrip("i")
+        if unit:
+            return int(float(m[1]) * 1024 ** " kmgt".index(unit))
+        budget = float(m[1]) if "." in m[1] else int(m[1])
     if budget < 0:
         raise ValueError(f"cache budget {budget!r} is negative")
+    if isinstance(budget, float) and budget <= 1:
+        return int(budget * ram)
     return int(budget)
 
 
 def make_cache(store: ExpertStore, layout: ModelLayout, budget=None):
     budget_bytes = parse_budget(budget, layout.total_expert_bytes)
-    if budget_bytes <= 0:
-        return StagingCache(store)
-    cache = ExpertCache(store, layout, budget_bytes)
-    if cache.capacity_bytes == 0:
+    cache = ExpertCache(store, layout, budget_bytes) if budget_bytes > 0 else None
+    if cache is None or cache.capacity_bytes == 0:
         return StagingCache(store)
     log.info("expert cache: %.2f GB budget, %.2f GB in slots (%.0f%% of the experts)",
              budget_bytes / 1e9, cache.capacity_bytes / 1e9,

@@ -40,6 +40,7 @@ class StreamingSwitchGLU(nn.Module):
         t2 = time.perf_counter()
         slots = mx.array(slot_of[inverse].reshape(idx.shape))
         out = rt.backend(x, slots, pool, self.activation)
+        mx.async_eval(out)  # the pool's next write must not overtake this read (see cache.py)
         stats.calls += 1
         stats.tokens += int(np.prod(idx.shape[:-1]))
         stats.experts_routed += len(experts)

@@ -170,3 +170,18 @@ def test_load_memory_is_independent_of_expert_size(tmp_path):
     assert e64 - e16 > 150e6
     assert rss64 - rss16 < 0.05 * (e64 - e16)
     assert mlx64 - mlx16 < 0.05 * (e64 - e16)
+
+
+@pytest.mark.parametrize("budget", [0, 0.25])
+def test_lazy_forward_passes_are_not_corrupted_by_later_reads(tiny_checkpoints, budget):
+    """Slots are rewritten in place; a forward pass still pending must not see the new experts."""
+    src, packed = tiny_checkpoints["qwen3_moe"]
+    ref, _ = mlx_lm.load(str(src))
+    total = moeflux_mlx.store.open_store(packed)[1].total_expert_bytes
+    model, _ = moeflux_mlx.load(packed, cache_budget=int(budget * total))
+    x1, x2 = mx.array([[5, 17, 3, 99, 41]]), mx.array([[250, 7, 7, 120, 64, 33, 2]])
+    with model.moeflux:
+        a = model(x1)
+        b = model(x2)  # reads (and may overwrite) the same slots before `a` is evaluated
+        mx.eval(a, b)
+        assert mx.array_equal(a, ref(x1)).item() and mx.array_equal(b, ref(x2)).item()

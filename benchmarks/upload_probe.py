@@ -1,0 +1,89 @@
+"""How fast can expert bytes in host memory reach MLX arrays the GPU reads? (MLX CUDA backend)
+
+MLX's CUDA allocator hands out managed memory, so a host write places pages on the host and the
+GPU migrates them on fault. This times the candidate paths for one layer's worth of misses.
+Prints a table; run on the GPU machine: python3 benchmarks/upload_probe.py
+"""
+
+import statistics
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from moeflux_mlx.upload import cuda_prefetch_available, host_view, upload
+
+MB = 1 << 20
+
+
+def consume(a):
+    # a GPU op that reads every byte
+    return mx.sum(a.view(mx.uint32).astype(mx.uint64))
+
+
+def timeit(fn, reps=7):
+    fn()
+    times = []
+    for _ in range(reps):
+        mx.synchronize()
+        t = time.perf_counter()
+        fn()
+        mx.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main():
+    print("device", mx.default_device(), "prefetch available", cuda_prefetch_available())
+    rows = []
+    for size in (8 * MB, 64 * MB, 256 * MB):
+        src = np.random.randint(0, 255, size, dtype=np.uint8)
+        want = int(np.sum(src.view(np.uint32).astype(np.uint64)))
+
+        def a():  # baseline: mx.array(numpy), then the GPU reads it
+            x = mx.array(src)
+            r = consume(x)
+            mx.eval(r)
+            assert r.item() == want
+
+        pool = mx.zeros((4, size), mx.uint8)
+        mx.eval(pool)
+
+        def c():
+            pool[1] = mx.array(src)
+            r = consume(pool[1])
+            mx.eval(r)
+            assert r.item() == want
+
+        buf = mx.zeros((1, size), mx.uint8)
+        mx.eval(buf)
+
+        def d():  # write straight into MLX-owned memory (host view), prefetch to the GPU, read
+            np.copyto(host_view(buf)[0], src)
+            r = consume(upload(buf))
+            mx.eval(r)
+            assert r.item() == want
+
+        def e():  # the same without the prefetch hint: the GPU faults pages over
+            np.copyto(host_view(buf)[0], src)
+            r = consume(buf)
+            mx.eval(r)
+            assert r.item() == want
+
+        for name, fn in (("mx.array(numpy)", a), ("pool[i] = mx.array(numpy)", c),
+                         ("host view + prefetch", d), ("host view, page faults", e)):
+            try:
+                t = timeit(fn)
+                rows.append((name, size // MB, t * 1e3, size / t / 1e9))
+            except Exception as e:  # report and go on: this is a probe
+                rows.append((name, size // MB, float("nan"), float("nan")))
+                print(name, "failed:", type(e).__name__, e)
+        t = timeit(lambda: mx.eval(consume(buf)))
+        rows.append(("GPU read only (resident)", size // MB, t * 1e3, size / t / 1e9))
+    print(f"{'path':32s} {'MB':>6s} {'ms':>9s} {'GB/s':>8s}")
+    for r in rows:
+        print(f"{r[0]:32s} {r[1]:6d} {r[2]:9.3f} {r[3]:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
