@@ -1,0 +1,288 @@
+"""Decode benchmark: stock mlx-lm and moeflux-mlx side by side, in one process and one run.
+
+For each configuration (stock when the model fits; moeflux at several cache budgets and both
+I/O modes) it times prefill and greedy decode, and reads the streaming counters: experts and
+bytes read per token, hit rate, time per token in sync / I/O / upload. It also measures the cold
+read bandwidth of the disk holding the experts and the decode rate that bandwidth allows for the
+bytes actually missed per token (the I/O bound). Results: a table on stdout, JSON, markdown and,
+when matplotlib is installed, a PNG of tok/s against cache budget.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import platform
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+import psutil
+from mlx_lm.generate import generate_step
+
+from .checkpoint import is_packed, packed_file, packed_layout, scan_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    name: str
+    io_mode: str = "-"
+    budget: str = "-"  # fraction of the experts held in the cache
+    cold: bool = False
+    prompt_tokens: int = 0
+    prompt_tps: float = 0.0
+    decode_tokens: int = 0
+    decode_tps: float = 0.0
+    ratio_to_stock: Optional[float] = None
+    experts_read_per_token: float = 0.0
+    mb_read_per_token: float = 0.0
+    hit_rate: Optional[float] = None
+    sync_ms_per_token: float = 0.0  # waiting for router indices: includes device compute before them
+    io_ms_per_token: float = 0.0
+    upload_ms_per_token: float = 0.0
+    other_ms_per_token: float = 0.0
+    io_bound_tps: Optional[float] = None
+    fraction_of_io_bound: Optional[float] = None
+    peak_memory_gb: float = 0.0
+    tokens: List[int] = field(default_factory=list, repr=False)
+
+
+def expert_files(path: Path) -> List[Path]:
+    if is_packed(path):
+        return [packed_file(path, i) for i in packed_layout(path).layers]
+    ckpt = scan_checkpoint(path)
+    return sorted({r.file for comps in ckpt.ranges.values() for r in comps.values()})
+
+
+def drop_page_cache(files: Sequence[Path]) -> None:
+    """Evict the files' pages from the OS page cache (clean pages; no root needed on Linux)."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def cold_read_bandwidth(path: Path, reads: int = 256, threads: int = 8, seed: int = 0) -> float:
+    """Bytes/s of random expert-sized reads after dropping the page cache."""
+    files = expert_files(path)
+    if is_packed(path):
+        layout = packed_layout(path)
+        blob = next(iter(layout.layers.values())).blob_size
+    else:
+        blob = next(iter(scan_checkpoint(path).layout.layers.values())).blob_size
+    drop_page_cache(files)
+    rng = random.Random(seed)
+    jobs = []
+    for _ in range(reads):
+        f = rng.choice(files)
+        size = f.stat().st_size
+        jobs.append((f, rng.randrange(0, max(1, size - blob)) // 4096 * 4096))
+    fds = {f: os.open(f, os.O_RDONLY) for f in files}
+
+    def one(job):
+        buf = bytearray(blob)
+        return os.preadv(fds[job[0]], [buf], job[1])
+
+    try:
+        t = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            total = sum(pool.map(one, jobs))
+        return total / (time.perf_counter() - t)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _time_generation(model, prompt: mx.array, decode_tokens: int, on_first=None):
+    """Greedy decode; returns (prompt_tps, decode_tps, tokens). ``on_first`` runs after the
+    first token (end of prefill), before decode timing starts."""
+    mx.synchronize()
+    t0 = time.perf_counter()
+    gen = generate_step(prompt, model, max_tokens=decode_tokens + 1)
+    tok, _ = next(gen)
+    tokens = [int(tok)]
+    t1 = time.perf_counter()
+    if on_first:
+        on_first()
+    t2 = time.perf_counter()
+    for tok, _ in gen:
+        tokens.append(int(tok))
+    mx.synchronize()
+    t3 = time.perf_counter()
+    return prompt.size / (t1 - t0), (len(tokens) - 1) / (t3 - t2), tokens, t3 - t2
+
+
+def _run_stock(path, prompt, decode_tokens) -> Run:
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(path))
+    _time_generation(model, prompt[:8], 4)  # warm-up: kernels, allocator
+    mx.reset_peak_memory()
+    ptps, dtps, tokens, _ = _time_generation(model, prompt, decode_tokens)
+    run = Run("stock mlx-lm", prompt_tokens=prompt.size, prompt_tps=ptps,
+              decode_tokens=len(tokens) - 1, decode_tps=dtps,
+              peak_memory_gb=mx.get_peak_memory() / 1e9, tokens=tokens)
+    del model
+    gc.collect()
+    mx.clear_cache()
+    return run
+
+
+def _run_moeflux(path, prompt, decode_tokens, io_mode, budget_fraction, cold, bandwidth,
+                 backend=None) -> Run:
+    import moeflux_mlx
+
+    total = (packed_layout(path) if is_packed(path) else scan_checkpoint(path).layout).total_expert_bytes
+    budget = "all" if budget_fraction >= 1 else int(budget_fraction * total)
+    model, _ = moeflux_mlx.load(path, expert_io=io_mode, cache_budget=budget, backend=backend)
+    rt = model.moeflux
+    try:
+        _time_generation(model, prompt[:8], 4)  # warm-up: kernels, allocator, resident fills
+        if cold:
+            drop_page_cache(expert_files(path))
+        mx.reset_peak_memory()
+        rt.reset_stats()
+        ptps, dtps, tokens, decode_s = _time_generation(model, prompt, decode_tokens,
+                                                        on_first=rt.reset_stats)
+        t = rt.stats.total()
+        n = max(len(tokens) - 1, 1)
+        run = Run(f"moeflux {rt.backend.name}", io_mode=rt.store.io_mode,
+                  budget=f"{budget_fraction:.0%}", cold=cold, prompt_tokens=prompt.size,
+                  prompt_tps=ptps, decode_tokens=n, decode_tps=dtps,
+                  experts_read_per_token=t.experts_read / n, mb_read_per_token=t.bytes_read / n / 1e6,
+                  hit_rate=rt.stats.hit_rate if t.experts_routed else None,
+                  sync_ms_per_token=1e3 * t.sync_s / n, io_ms_per_token=1e3 * t.io_s / n,
+                  upload_ms_per_token=1e3 * t.upload_s / n,
+                  other_ms_per_token=1e3 * (decode_s - t.sync_s - t.io_s - t.upload_s) / n,
+                  peak_memory_gb=mx.get_peak_memory() / 1e9, tokens=tokens)
+        if t.bytes_read and bandwidth:
+            run.io_bound_tps = bandwidth / (t.bytes_read / n)
+            run.fraction_of_io_bound = dtps / run.io_bound_tps
+        return run
+    finally:
+        rt.close()
+        del model
+        gc.collect()
+        mx.clear_cache()
+
+
+def fits_for_stock(path: Path) -> bool:
+    weights = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+    weights += sum(f.stat().st_size for f in expert_files(path)) if is_packed(path) else 0
+    return weights < 0.8 * psutil.virtual_memory().available
+
+
+def run_benchmark(path, *, budgets=(1.0, 0.5, 0.25, 0.0), io_modes=("mmap", "pread"),
+                  prompt_tokens=128, decode_tokens=64, stock=True, stock_path=None,
+                  backend=None, seed=0) -> dict:
+    """Run every configuration and return a result dict (see ``write_results``)."""
+    path = Path(path)
+    mx.random.seed(seed)
+    prompt = mx.random.randint(0, 256, (prompt_tokens,)).astype(mx.uint32)
+    bandwidth = cold_read_bandwidth(path)
+    runs = []
+    stock_path = Path(stock_path or path)
+    if stock and not is_packed(stock_path) and fits_for_stock(stock_path):
+        runs.append(_run_stock(stock_path, prompt, decode_tokens))
+    elif stock:
+        log.warning("stock mlx-lm skipped: %s is a converted directory or does not fit in memory",
+                    stock_path)
+    for io_mode in io_modes:
+        for frac in budgets:
+            runs.append(_run_moeflux(path, prompt, decode_tokens, io_mode, frac,
+                                     cold=frac < 1, bandwidth=bandwidth, backend=backend))
+    ref = runs[0] if runs and runs[0].name.startswith("stock") else None
+    for r in runs:
+        if ref is not None:
+            r.ratio_to_stock = r.decode_tps / ref.decode_tps
+    return {
+        "model": str(path),
+        "machine": machine_name(),
+        "mlx": mx.__version__,
+        "device": str(mx.default_device()),
+        "cold_read_gb_s": bandwidth / 1e9,
+        "tokens_identical_to_stock": None if ref is None else
+        {f"{r.name} {r.io_mode} {r.budget}": r.tokens == ref.tokens for r in runs[1:]},
+        "runs": [{k: v for k, v in asdict(r).items() if k != "tokens"} for r in runs],
+    }
+
+
+def machine_name() -> str:
+    gpu = ""
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        try:
+            import subprocess
+
+            gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            gpu = "CUDA GPU"
+    cpu = f"{platform.machine()} {psutil.cpu_count()} cores {psutil.virtual_memory().total / 2**30:.0f} GiB"
+    return f"{gpu}, {cpu}" if gpu else cpu
+
+
+COLUMNS = [("name", "config", "{}"), ("io_mode", "io", "{}"), ("budget", "cache", "{}"),
+           ("prompt_tps", "prompt tok/s", "{:.1f}"), ("decode_tps", "decode tok/s", "{:.2f}"),
+           ("ratio_to_stock", "x stock", "{:.2f}"), ("mb_read_per_token", "MB read/tok", "{:.1f}"),
+           ("hit_rate", "hit", "{:.0%}"), ("sync_ms_per_token", "sync ms/tok", "{:.2f}"),
+           ("io_ms_per_token", "io ms/tok", "{:.2f}"), ("upload_ms_per_token", "upload ms/tok", "{:.2f}"),
+           ("other_ms_per_token", "rest ms/tok", "{:.2f}"), ("io_bound_tps", "I/O bound tok/s", "{:.1f}"),
+           ("fraction_of_io_bound", "of bound", "{:.0%}"), ("peak_memory_gb", "peak GB", "{:.2f}")]
+
+
+def format_table(result: dict) -> str:
+    head = "| " + " | ".join(c[1] for c in COLUMNS) + " |"
+    lines = [head, "|" + "---|" * len(COLUMNS)]
+    for r in result["runs"]:
+        cells = [("-" if r[k] is None else f.format(r[k])) for k, _, f in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_results(result: dict, out_dir: Path, stem: str) -> List[Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
+    written[0].write_text(json.dumps(result, indent=1))
+    md = [f"# Decode benchmark: {Path(result['model']).name}", "",
+          f"Machine: {result['machine']}; MLX {result['mlx']} ({result['device']}).",
+          f"Cold random read bandwidth of the expert files: {result['cold_read_gb_s']:.2f} GB/s.",
+          "Budgets below 100% run with the page cache dropped before the timed generation.", "",
+          format_table(result), ""]
+    if result["tokens_identical_to_stock"] is not None:
+        same = result["tokens_identical_to_stock"]
+        md.append(f"Greedy tokens identical to stock mlx-lm: {sum(same.values())}/{len(same)} runs.")
+    written[1].write_text("\n".join(md) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return written
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for io_mode in sorted({r["io_mode"] for r in result["runs"] if r["io_mode"] != "-"}):
+        rs = [r for r in result["runs"] if r["io_mode"] == io_mode]
+        ax.plot([float(r["budget"].rstrip("%")) for r in rs], [r["decode_tps"] for r in rs],
+                marker="o", label=f"moeflux {io_mode}")
+    stock = [r for r in result["runs"] if r["name"].startswith("stock")]
+    if stock:
+        ax.axhline(stock[0]["decode_tps"], color="gray", linestyle="--", label="stock mlx-lm")
+    ax.set_xlabel("expert cache budget (% of experts)")
+    ax.set_ylabel("decode tok/s")
+    ax.set_title(result["machine"], fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    written.append(out_dir / f"{stem}.png")
+    fig.savefig(written[-1], dpi=120)
+    return written
