@@ -30,7 +30,7 @@ import psutil
 from .backends import MX_DTYPES, ExpertPool
 from .layout import ExpertLayout, ModelLayout
 from .stats import LayerStats
-from .store import ExpertStore
+from .store import ExpertStore  # or a prefetch.Prefetcher, which reads like one
 from .upload import host_view
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,9 @@ class StagingCache:
     def resident_pool(self, layer: int) -> Optional[ExpertPool]:
         return None
 
+    def absent(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        return experts
+
     def fetch(self, layer: int, experts: np.ndarray, stats: LayerStats) -> Tuple[np.ndarray, ExpertPool]:
         """Make ``experts`` (sorted, unique) resident; return their slots and the pool."""
         pool = self.pools.get(layer)
@@ -137,6 +140,13 @@ class ExpertCache:
 
     def resident_pool(self, layer: int) -> Optional[ExpertPool]:
         return self.resident.get(layer)
+
+    def absent(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """Those of ``experts`` a fetch would have to read."""
+        if layer in self.resident:
+            return experts[:0]
+        lru = self.lru.get(layer)
+        return experts if lru is None else experts[lru.slot_of[experts] < 0]
 
     def fetch(self, layer: int, experts: np.ndarray, stats: LayerStats) -> Tuple[np.ndarray, ExpertPool]:
         n_slots, layout = self.n_slots[layer], self.store.layout(layer)

@@ -21,6 +21,7 @@ from .checkpoint import EXPERT_KEY
 from .errors import CheckpointError, LayoutError, ModelClosedError
 from .layout import ExpertLayout, ModelLayout
 from .module import StreamingSwitchGLU
+from .prefetch import Prefetcher, next_gates
 from .stats import Stats
 from .store import ExpertStore, open_store
 
@@ -32,9 +33,13 @@ class StreamingRuntime:
 
     Reached as ``model.moeflux``; ``close()`` (or ``with``) releases files, maps and threads."""
 
-    def __init__(self, store: ExpertStore, layout: ModelLayout, cache, backend):
-        self.store, self.layout, self.cache, self.backend = store, layout, cache, backend
+    def __init__(self, store: ExpertStore, layout: ModelLayout, backend, cache_budget=None,
+                 prefetch: bool = False):
+        self.store, self.layout, self.backend = store, layout, backend
         self._stats = Stats()
+        self.prefetcher = Prefetcher(store, self._stats) if prefetch else None
+        self.cache = make_cache(self.prefetcher or store, layout, cache_budget)
+        self.next_gate = {}  # layer -> (next MoE layer, its router); set when the model is patched
         self.closed = False
 
     @property
@@ -43,7 +48,8 @@ class StreamingRuntime:
 
     def stats_dict(self) -> dict:
         d = self._stats.to_dict()
-        d.update(io_mode=self.store.io_mode, cache=self.cache.name, backend=self.backend.name)
+        d.update(io_mode=self.store.io_mode, cache=self.cache.name, backend=self.backend.name,
+                 prefetch=self.prefetcher is not None)
         return d
 
     def reset_stats(self) -> None:
@@ -56,6 +62,8 @@ class StreamingRuntime:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            if self.prefetcher is not None:
+                self.prefetcher.close()
             self.cache.close()
             self.store.close()
 
@@ -96,27 +104,28 @@ def _replace_switch_modules(model: nn.Module, runtime: StreamingRuntime) -> None
         parent_path, name = path.rsplit(".", 1)
         setattr(modules[parent_path], name,
                 StreamingSwitchGLU(layer, runtime, switch.activation))
+    runtime.next_gate = next_gates(model, runtime.layout.module_paths)
     left = [p for p, m in model.named_modules() if isinstance(m, (SwitchGLU, SwitchMLP))]
     if left:
         raise CheckpointError(f"the model has experts at {left} but the checkpoint has none "
                               "for them")
 
 
-def _make_runtime(source, expert_io, backend, threads, cache_budget) -> StreamingRuntime:
+def _make_runtime(source, expert_io, backend, threads, cache_budget, prefetch) -> StreamingRuntime:
     store, layout = open_store(Path(source), expert_io, threads)
     try:
-        cache = make_cache(store, layout, cache_budget)
-        return StreamingRuntime(store, layout, cache, select_backend(backend))
+        return StreamingRuntime(store, layout, select_backend(backend), cache_budget, prefetch)
     except Exception:
         store.close()
         raise
 
 
 def patch_model(model: nn.Module, source, *, expert_io: Optional[str] = None,
-                backend: Optional[str] = None, cache_budget=None, threads: int = 8) -> nn.Module:
+                backend: Optional[str] = None, cache_budget=None, prefetch: bool = False,
+                threads: int = 8) -> nn.Module:
     """Replace the experts of an mlx-lm ``model`` (built by the user, e.g. ``mlx_lm.load(...,
     lazy=True)``) by streaming modules reading from ``source`` (converted or plain checkpoint)."""
-    runtime = _make_runtime(source, expert_io, backend, threads, cache_budget)
+    runtime = _make_runtime(source, expert_io, backend, threads, cache_budget, prefetch)
     try:
         _replace_switch_modules(model, runtime)
     except Exception:
@@ -127,17 +136,19 @@ def patch_model(model: nn.Module, source, *, expert_io: Optional[str] = None,
 
 
 def load(path, *, expert_io: Optional[str] = None, backend: Optional[str] = None,
-         cache_budget=None, threads: int = 8, model_config: Optional[dict] = None,
+         cache_budget=None, prefetch: bool = False, threads: int = 8, model_config: Optional[dict] = None,
          tokenizer_config: Optional[dict] = None) -> Tuple[nn.Module, object]:
     """Load a converted directory or a plain mlx-lm checkpoint with experts streamed from disk.
 
     ``expert_io``: ``auto`` (the RAM gate), ``mmap`` or ``pread``. ``backend``: ``auto``, ``ops``,
     ``metal`` or ``cuda``. ``cache_budget``: MLX memory for resident experts: bytes, ``"8GB"``,
     a fraction of RAM, ``"all"``, or 0 for none (default: all experts if they fit in 0.4 x RAM).
+    ``prefetch``: read the experts the next layer's router would pick for this layer's input
+    in the background (see ``prefetch.py``).
     Returns ``(model, tokenizer)`` like ``mlx_lm.load``; ``model.moeflux`` is the runtime
     (``stats_dict()``, ``reset_stats()``, ``close()``)."""
     path = Path(path)
-    runtime = _make_runtime(path, expert_io, backend, threads, cache_budget)
+    runtime = _make_runtime(path, expert_io, backend, threads, cache_budget, prefetch)
 
     def get_classes(config):
         model_class, args_class = _get_classes(config)

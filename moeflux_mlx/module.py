@@ -11,6 +11,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .prefetch import MAX_PREDICT_TOKENS, predict_experts
+
 
 class StreamingSwitchGLU(nn.Module):
     """Computes what the replaced ``SwitchGLU`` computed, with experts streamed from disk.
@@ -33,10 +35,18 @@ class StreamingSwitchGLU(nn.Module):
             stats.unsynced_calls += 1
             return rt.backend(x, indices, resident, self.activation)
         t0 = time.perf_counter()
+        ahead = rt.next_gate.get(self.layer) if rt.prefetcher is not None else None
+        predicted = None
+        if ahead is not None and indices.size // indices.shape[-1] <= MAX_PREDICT_TOKENS:
+            predicted = predict_experts(ahead[1], x, indices.shape[-1])
+            mx.eval(indices, predicted)  # one sync for both
         idx = np.array(indices)  # the one host sync per MoE layer: which experts were routed
         t1 = time.perf_counter()
         experts, inverse = np.unique(idx, return_inverse=True)
         slot_of, pool = rt.cache.fetch(self.layer, experts, stats)
+        if predicted is not None:
+            nxt = ahead[0]
+            rt.prefetcher.submit(nxt, rt.cache.absent(nxt, np.unique(np.array(predicted))))
         t2 = time.perf_counter()
         slots = mx.array(slot_of[inverse].reshape(idx.shape))
         out = rt.backend(x, slots, pool, self.activation)

@@ -13,6 +13,7 @@ class LayerStats:
     tokens: int = 0  # tokens of the synced calls
     experts_routed: int = 0  # unique experts the router asked for, summed over synced calls
     experts_missed: int = 0  # of those, not resident when asked
+    prefetch_issued: int = 0  # experts read ahead because the next-layer prediction named them
     prefetch_hits: int = 0  # misses whose bytes a prefetch had already read
     experts_read: int = 0  # blobs read from disk (misses, whole-layer fills, prefetches)
     bytes_read: int = 0

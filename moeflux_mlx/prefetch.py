@@ -1,0 +1,119 @@
+"""Prefetch: read predicted experts in the background before the router asks for them.
+
+The prediction for the next MoE layer is its own router applied to this layer's MoE input
+(the offloading literature reports high recall for this). It is evaluated together with this
+layer's router indices, so it costs no extra host sync. Predicted experts that are not resident
+are read by a thread pool into host buffers while the device computes; the next layer's misses
+take those bytes instead of reading them again. Prediction is set-based: order does not matter.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .stats import Stats
+from .store import ExpertStore
+
+log = logging.getLogger(__name__)
+
+MAX_PREDICT_TOKENS = 4  # prediction pays off in decode; a prefill needs most experts anyway
+
+
+def predict_experts(gate: nn.Module, x: mx.array, k: int) -> mx.array:
+    """Top-``k`` experts the router ``gate`` would pick for ``x`` (lazy)."""
+    out = gate(x)
+    if isinstance(out, tuple):  # DeepSeek's MoEGate returns (indices, scores)
+        return out[0]
+    return mx.argpartition(-out, kth=k - 1, axis=-1)[..., :k]
+
+
+class Prefetcher:
+    """Reads blobs of predicted experts into host buffers; ``read`` consumes them."""
+
+    def __init__(self, store: ExpertStore, stats: Stats, threads: int = 4):
+        self.store, self.stats = store, stats
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="moeflux-prefetch")
+        self._pending: Dict[Tuple[int, int], Future] = {}
+        self._free: List[np.ndarray] = []
+
+    def layout(self, layer: int):
+        return self.store.layout(layer)
+
+    def _buffer(self, layer: int) -> np.ndarray:
+        size = self.store.layout(layer).blob_size
+        while self._free:
+            buf = self._free.pop()
+            if buf.size == size:
+                return buf
+        return np.empty(size, np.uint8)
+
+    def submit(self, layer: int, experts: np.ndarray) -> None:
+        src = self.store.layers[layer]
+        self.store.check_experts(layer, experts)
+        for e in experts.tolist():
+            if (layer, e) not in self._pending:
+                buf = self._buffer(layer)
+                self._pending[(layer, e)] = self._pool.submit(_read_one, src, e, buf)
+                self.stats.layer(layer).prefetch_issued += 1
+
+    def read(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """Blobs of ``experts``: prefetched ones from their buffers, the rest from the store.
+
+        A failed prefetch raises here, on the call that needed it."""
+        ready = {e: f for e in experts.tolist() if (f := self._pending.pop((layer, e), None))}
+        self._discard(layer)  # predictions for this layer that the router did not pick
+        if not ready:
+            return self.store.read(layer, experts)
+        st = self.stats.layer(layer)
+        out = np.empty((len(experts), self.store.layout(layer).blob_size), np.uint8)
+        rest = [i for i, e in enumerate(experts.tolist()) if e not in ready]
+        try:
+            for i, e in enumerate(experts.tolist()):
+                if e in ready:
+                    buf = ready.pop(e).result()
+                    out[i] = buf
+                    self._free.append(buf)
+                    st.prefetch_hits += 1
+        finally:
+            for f in ready.values():
+                f.cancel()
+        if rest:
+            out[rest] = self.store.read(layer, experts[rest])
+        return out
+
+    def _discard(self, layer: int) -> None:
+        for key in [k for k in self._pending if k[0] == layer]:
+            f = self._pending.pop(key)
+            if not f.cancel() and f.done() and f.exception() is None:
+                self._free.append(f.result())
+
+    def close(self) -> None:
+        for f in self._pending.values():
+            f.cancel()
+        self._pending.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._free.clear()
+
+
+def _read_one(src, e: int, buf: np.ndarray) -> np.ndarray:
+    src.read_one(e, buf)
+    return buf
+
+
+def next_gates(model: nn.Module, module_paths: Dict[int, str]) -> Dict[int, Tuple[int, nn.Module]]:
+    """layer -> (next MoE layer, its router), where the router is the ``gate`` beside the
+    next layer's ``switch_mlp`` (the name every mlx-lm MoE block here uses)."""
+    modules = dict(model.named_modules())
+    layers = sorted(module_paths)
+    out = {}
+    for cur, nxt in zip(layers, layers[1:]):
+        gate: Optional[nn.Module] = getattr(modules.get(module_paths[nxt].rsplit(".", 1)[0]), "gate", None)
+        if gate is not None:
+            out[cur] = (nxt, gate)
+    return out

@@ -1,0 +1,93 @@
+"""Issue 7: the expert cache and prefetch keep output exact and do what their counters say."""
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+import moeflux_mlx
+from moeflux_mlx.cache import ExpertCache, StagingCache, parse_budget
+from moeflux_mlx.errors import ExpertReadError
+
+
+def _greedy(model, prompt, n=40):
+    return [int(t) for (t, _), _ in zip(generate_step(prompt, model, max_tokens=n), range(n))]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoints):
+    src, packed = tiny_checkpoints["deepseek_v3"]
+    model, tokenizer = mlx_lm.load(str(src))
+    prompt = mx.array(tokenizer.encode("the quick brown fox jumps over the lazy dog"))
+    total = moeflux_mlx.store.open_store(packed)[1].total_expert_bytes
+    return packed, prompt, _greedy(model, prompt), total
+
+
+def test_parse_budget():
+    ram = moeflux_mlx.cache.psutil.virtual_memory().total
+    assert parse_budget("all", 123) == 123
+    assert parse_budget("2GiB", 1) == parse_budget("2GB", 1) == 2 * 2**30
+    assert parse_budget("512MiB", 1) == 512 * 2**20
+    assert parse_budget(0.25, 10) == int(0.25 * ram)
+    assert parse_budget(1000, 10) == parse_budget("1000", 10) == 1000
+    assert parse_budget(None, 10) == 10
+    with pytest.raises(ValueError, match="cache budget"):
+        parse_budget("lots", 10)
+    with pytest.raises(ValueError, match="negative"):
+        parse_budget(-1, 10)
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_lru_cache_hits_and_bounded_slots(reference, fraction):
+    packed, prompt, want, total = reference
+    model, _ = moeflux_mlx.load(packed, cache_budget=int(fraction * total))
+    with model.moeflux as rt:
+        assert isinstance(rt.cache, ExpertCache)
+        assert rt.cache.capacity_bytes <= fraction * total
+        assert _greedy(model, prompt) == want
+        t = rt.stats.total()
+        assert 0 < t.experts_missed < t.experts_routed
+        assert t.bytes_read == t.experts_read * next(iter(rt.layout.layers.values())).blob_size
+        for layer, pool in rt.cache.pools.items():
+            assert pool.n_slots == rt.cache.n_slots[layer] < rt.layout.layers[layer].num_experts
+
+
+def test_zero_budget_stages_every_call(reference):
+    packed, prompt, want, _ = reference
+    model, _ = moeflux_mlx.load(packed, cache_budget=0)
+    with model.moeflux as rt:
+        assert isinstance(rt.cache, StagingCache)
+        assert _greedy(model, prompt) == want
+        t = rt.stats.total()
+        assert t.experts_missed == t.experts_routed == t.experts_read
+
+
+@pytest.mark.parametrize("budget", [0, 0.25])
+def test_prefetch_is_exact_and_serves_misses(reference, budget):
+    packed, prompt, want, total = reference
+    model, _ = moeflux_mlx.load(packed, cache_budget=int(budget * total), prefetch=True)
+    with model.moeflux as rt:
+        assert rt.next_gate, "every MoE layer but the last has a next-layer router"
+        assert _greedy(model, prompt) == want
+        t = rt.stats.total()
+        assert t.prefetch_issued > 0
+        assert 0 < t.prefetch_hits <= min(t.prefetch_issued, t.experts_missed)
+
+
+def test_failed_prefetch_reaches_the_caller_and_model_recovers(reference, monkeypatch):
+    packed, prompt, want, _ = reference
+    model, _ = moeflux_mlx.load(packed, cache_budget=0, prefetch=True)
+    import moeflux_mlx.prefetch as pf
+
+    real = pf._read_one
+
+    def broken(src, e, buf):
+        raise ExpertReadError(f"layer {src.layer}: injected failure reading expert {e}")
+
+    with model.moeflux:
+        monkeypatch.setattr(pf, "_read_one", broken)
+        with pytest.raises(ExpertReadError, match="injected failure"):
+            _greedy(model, prompt, 8)
+        monkeypatch.setattr(pf, "_read_one", real)
+        assert _greedy(model, prompt) == want
