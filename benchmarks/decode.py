@@ -31,6 +31,7 @@ def main(argv=None):
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--backend", default=None)
     p.add_argument("--no-stock", action="store_true")
+    p.add_argument("--prefetch", default="off", choices=["off", "on", "both"])
     p.add_argument("--machine", default=None, help="machine label for the results file name")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
@@ -45,7 +46,8 @@ def main(argv=None):
     result = bench.run_benchmark(
         model, budgets=[float(b) for b in args.budgets.split(",")], io_modes=args.io.split(","),
         prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
-        stock=not args.no_stock, backend=args.backend)
+        stock=not args.no_stock, backend=args.backend,
+        prefetch={"off": (False,), "on": (True,), "both": (False, True)}[args.prefetch])
     print(bench.format_table(result))
     gpu = result["machine"].split(",")[0] if "," in result["machine"] else ""
     machine = args.machine or (gpu.split()[-1].lower() if gpu else f"cpu{bench.psutil.cpu_count()}")

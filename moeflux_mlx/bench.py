@@ -45,6 +45,7 @@ class Run:
     experts_read_per_token: float = 0.0
     mb_read_per_token: float = 0.0
     hit_rate: Optional[float] = None
+    prefetch_hits_per_token: float = 0.0
     sync_ms_per_token: float = 0.0  # waiting for router indices: includes device compute before them
     io_ms_per_token: float = 0.0
     upload_ms_per_token: float = 0.0
@@ -139,12 +140,13 @@ def _run_stock(path, prompt, decode_tokens) -> Run:
 
 
 def _run_moeflux(path, prompt, decode_tokens, io_mode, budget_fraction, cold, bandwidth,
-                 backend=None) -> Run:
+                 backend=None, prefetch=False) -> Run:
     import moeflux_mlx
 
     total = (packed_layout(path) if is_packed(path) else scan_checkpoint(path).layout).total_expert_bytes
     budget = "all" if budget_fraction >= 1 else int(budget_fraction * total)
-    model, _ = moeflux_mlx.load(path, expert_io=io_mode, cache_budget=budget, backend=backend)
+    model, _ = moeflux_mlx.load(path, expert_io=io_mode, cache_budget=budget, backend=backend,
+                                prefetch=prefetch)
     rt = model.moeflux
     try:
         _time_generation(model, prompt[:8], 4)  # warm-up: kernels, allocator, resident fills
@@ -156,11 +158,12 @@ def _run_moeflux(path, prompt, decode_tokens, io_mode, budget_fraction, cold, ba
                                                         on_first=rt.reset_stats)
         t = rt.stats.total()
         n = max(len(tokens) - 1, 1)
-        run = Run(f"moeflux {rt.backend.name}", io_mode=rt.store.io_mode,
+        run = Run(f"moeflux {rt.backend.name}" + (" +prefetch" if prefetch else ""), io_mode=rt.store.io_mode,
                   budget=f"{budget_fraction:.0%}", cold=cold, prompt_tokens=prompt.size,
                   prompt_tps=ptps, decode_tokens=n, decode_tps=dtps,
                   experts_read_per_token=t.experts_read / n, mb_read_per_token=t.bytes_read / n / 1e6,
                   hit_rate=rt.stats.hit_rate if t.experts_routed else None,
+                  prefetch_hits_per_token=t.prefetch_hits / n,
                   sync_ms_per_token=1e3 * t.sync_s / n, io_ms_per_token=1e3 * t.io_s / n,
                   upload_ms_per_token=1e3 * t.upload_s / n,
                   other_ms_per_token=1e3 * (decode_s - t.sync_s - t.io_s - t.upload_s) / n,
@@ -184,7 +187,7 @@ def fits_for_stock(path: Path) -> bool:
 
 def run_benchmark(path, *, budgets=(1.0, 0.5, 0.25, 0.0), io_modes=("mmap", "pread"),
                   prompt_tokens=128, decode_tokens=64, stock=True, stock_path=None,
-                  backend=None, seed=0) -> dict:
+                  backend=None, prefetch=(False,), seed=0) -> dict:
     """Run every configuration and return a result dict (see ``write_results``)."""
     path = Path(path)
     mx.random.seed(seed)
@@ -199,8 +202,9 @@ def run_benchmark(path, *, budgets=(1.0, 0.5, 0.25, 0.0), io_modes=("mmap", "pre
                     stock_path)
     for io_mode in io_modes:
         for frac in budgets:
-            runs.append(_run_moeflux(path, prompt, decode_tokens, io_mode, frac,
-                                     cold=frac < 1, bandwidth=bandwidth, backend=backend))
+            for pf in prefetch if frac < 1 else (False,):
+                runs.append(_run_moeflux(path, prompt, decode_tokens, io_mode, frac, cold=frac < 1,
+                                         bandwidth=bandwidth, backend=backend, prefetch=pf))
     ref = runs[0] if runs and runs[0].name.startswith("stock") else None
     for r in runs:
         if ref is not None:
@@ -234,7 +238,8 @@ def machine_name() -> str:
 COLUMNS = [("name", "config", "{}"), ("io_mode", "io", "{}"), ("budget", "cache", "{}"),
            ("prompt_tps", "prompt tok/s", "{:.1f}"), ("decode_tps", "decode tok/s", "{:.2f}"),
            ("ratio_to_stock", "x stock", "{:.2f}"), ("mb_read_per_token", "MB read/tok", "{:.1f}"),
-           ("hit_rate", "hit", "{:.0%}"), ("sync_ms_per_token", "sync ms/tok", "{:.2f}"),
+           ("hit_rate", "hit", "{:.0%}"), ("prefetch_hits_per_token", "prefetched/tok", "{:.1f}"),
+           ("sync_ms_per_token", "sync ms/tok", "{:.2f}"),
            ("io_ms_per_token", "io ms/tok", "{:.2f}"), ("upload_ms_per_token", "upload ms/tok", "{:.2f}"),
            ("other_ms_per_token", "rest ms/tok", "{:.2f}"), ("io_bound_tps", "I/O bound tok/s", "{:.1f}"),
            ("fraction_of_io_bound", "of bound", "{:.0%}"), ("peak_memory_gb", "peak GB", "{:.2f}")]
@@ -273,8 +278,12 @@ def write_results(result: dict, out_dir: Path, stem: str) -> List[Path]:
     fig, ax = plt.subplots(figsize=(6, 4))
     for io_mode in sorted({r["io_mode"] for r in result["runs"] if r["io_mode"] != "-"}):
         rs = [r for r in result["runs"] if r["io_mode"] == io_mode]
-        ax.plot([float(r["budget"].rstrip("%")) for r in rs], [r["decode_tps"] for r in rs],
-                marker="o", label=f"moeflux {io_mode}")
+        for pf in (False, True):
+            sel = [r for r in rs if r["name"].endswith("+prefetch") == pf or r["budget"] == "100%"]
+            if pf and len(sel) <= 1:
+                continue
+            ax.plot([float(r["budget"].rstrip("%")) for r in sel], [r["decode_tps"] for r in sel],
+                    marker="o", label=f"moeflux {io_mode}" + (" +prefetch" if pf else ""))
     stock = [r for r in result["runs"] if r["name"].startswith("stock")]
     if stock:
         ax.axhline(stock[0]["decode_tps"], color="gray", linestyle="--", label="stock mlx-lm")
