@@ -1,0 +1,17 @@
+"""Chat in the terminal with an MoE model whose experts stream from disk.
+
+    python examples/chat.py                        # the small demo model (built once, cached)
+    python examples/chat.py --model PATH           # a converted dir or an mlx-lm MoE checkpoint
+    python examples/chat.py --model PATH --prompt "Hello"   # one reply, then exit
+
+/reset starts a new conversation; /quit, q or Ctrl-D exits. See `--help` for sampling
+(--temp, --top-p, --max-tokens, --seed) and streaming (--expert-io, --backend, --threads) options.
+Same as `moeflux-mlx chat`. Needs moeflux-mlx importable (`pip install -e .`, or PYTHONPATH=.).
+"""
+
+import sys
+
+from moeflux_mlx.chat import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""Issue 5: the ``moeflux-mlx`` commands, run as ``main(argv)`` (and once as a subprocess)."""
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moeflux_mlx import cli, compare, synth
+from moeflux_mlx.checkpoint import PACKED_DIR
+from moeflux_mlx.convert import convert
+
+REPO = Path(__file__).resolve().parents[1]
+STATS = re.compile(r"\[prompt: (\d+) tokens.*\| reply: (\d+) tokens, [\d.]+ tok/s \| peak memory "
+                   r".* \| experts: .* read, hit rate ([\d.]+%|n/a)")
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """arch -> plain tiny mlx-lm checkpoint (seed 0), built once for this module."""
+    root = tmp_path_factory.mktemp("cli")
+    return {arch: synth.build_checkpoint(root / arch, arch, "tiny") for arch in synth.ARCHITECTURES}
+
+
+@pytest.fixture(scope="module")
+def packed(ckpts, tmp_path_factory):
+    return convert(ckpts["qwen3_moe"], tmp_path_factory.mktemp("cli-packed") / "qwen3_moe",
+                   progress=False)
+
+
+@pytest.fixture(autouse=True)
+def _keep_log_level():
+    logger = logging.getLogger("moeflux_mlx")
+    level = logger.level
+    yield
+    logger.setLevel(level)
+
+
+def _one_line_error(err: str) -> str:
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert "Traceback" not in err
+    assert lines and lines[-1].startswith("moeflux-mlx: error: ")
+    return lines[-1]
+
+
+# --------------------------------------------------------------------------- compare
+
+
+@pytest.mark.parametrize("arch", synth.ARCHITECTURES)
+def test_compare_is_exact_on_cpu(arch, ckpts, capsys):
+    rc = cli.main(["compare", str(ckpts[arch]), "--max-tokens", "12"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "Result: SAME (required: exact (CPU))" in out
+    total = re.search(r"^all\s+(\d+)/(\d+)\s+-\s+0\s", out, re.M)
+    assert total and total[1] == total[2] and int(total[2]) >= 3, out
+    same = re.findall(r"^\S.*\s(\d+)/\1\s+-\s+0\s", out, re.M)
+    assert len(same) == len(compare.DEFAULT_PROMPTS) + 1
+
+
+def test_compare_fails_on_different_experts(ckpts, packed, tmp_path, capsys):
+    """The moeflux side reads another seed's experts (dense weights unchanged): must exit 1."""
+    other = synth.build_checkpoint(tmp_path / "seed1", "qwen3_moe", "tiny", seed=1)
+    other_packed = convert(other, tmp_path / "seed1-packed", progress=False)
+    tampered = tmp_path / "tampered"
+    shutil.copytree(packed, tampered)
+    for f in (other_packed / PACKED_DIR).glob("layer_*.bin"):
+        shutil.copy(f, tampered / PACKED_DIR / f.name)
+
+    rc = cli.main(["compare", str(ckpts["qwen3_moe"]), "--converted", str(tampered), "-m", "8"])
+    out = capsys.readouterr().out
+    assert rc == compare.EXIT_DIFFERENT, out
+    assert "Result: DIFFERENT" in out
+    # ... and the untouched converted directory passes, so the failure is the experts' doing.
+    rc = cli.main(["compare", str(ckpts["qwen3_moe"]), "--converted", str(packed), "-m", "8"])
+    assert rc == 0
+
+
+def test_compare_tolerance_flag_applies(ckpts, capsys):
+    rows = [compare.Row("p", 4, 4, None, 0.05, 1.0, 1.0)]
+    report = compare.Report(Path("m"), Path("m"), rows, True, 0.1, "gpu")
+    assert report.passed
+    report.tolerance = 0.01
+    assert not report.passed
+    assert "DIFFERENT" in compare.format_report(report)
+
+
+def test_compare_does_not_run_stock_when_it_does_not_fit(ckpts, monkeypatch, capsys):
+    monkeypatch.setattr(compare, "available_memory", lambda: 1000)
+    rc = cli.main(["compare", str(ckpts["qwen3_moe"]), "-m", "4"])
+    out, err = capsys.readouterr()
+    assert rc == compare.EXIT_NOT_COMPARED
+    assert "not running it" in err and "--force" in err
+    assert "NOT COMPARED" in out
+    assert cli.main(["compare", str(ckpts["qwen3_moe"]), "-m", "4", "--force"]) == 0
+
+
+def test_compare_rejects_a_converted_model(packed, capsys):
+    assert cli.main(["compare", str(packed)]) == 2
+    assert "--converted" in _one_line_error(capsys.readouterr().err)
+
+
+# --------------------------------------------------------------------------- info, convert
+
+
+def test_info_plain_and_converted(ckpts, packed, capsys):
+    assert cli.main(["info", str(ckpts["qwen3_moe"])]) == 0
+    out = capsys.readouterr().out
+    rows = dict(re.findall(r"^(.+?)\s{2,}(.*)$", out, re.M))
+    assert rows["model_type"] == "qwen3_moe"
+    assert rows["layers"] == "2, of which 2 MoE (0-1)"
+    assert rows["experts per layer"] == "16" and rows["top-k"] == "4"
+    assert rows["expert quantization"] == "4-bit affine, group 64"
+    assert rows["format"].startswith("mlx-lm checkpoint")
+    blob = int(rows["expert blob"].split()[0].replace(",", ""))
+    total = int(re.search(r"\(([\d,]+) bytes\)", rows["experts, total"])[1].replace(",", ""))
+    assert total == 2 * 16 * blob
+    assert re.fullmatch(r"mmap \(auto: experts .* <= 0\.75 x RAM .* GB = .* GB\)",
+                        rows["expert I/O"])
+    assert rows["backend"].startswith("ops (auto, device cpu)")
+    assert "total" in rows["RAM"] and "available" in rows["RAM"]
+
+    assert cli.main(["info", str(packed), "--expert-io", "pread"]) == 0
+    rows = dict(re.findall(r"^(.+?)\s{2,}(.*)$", capsys.readouterr().out, re.M))
+    assert rows["format"].startswith("converted")
+    assert rows["expert blob"] == f"{blob:,} bytes"
+    assert rows["expert I/O"] == "pread (requested: --expert-io pread)"
+
+
+def test_load_options_reach_load(packed, capsys):
+    assert cli.main(["info", str(packed), "--cache-budget", "0"]) == 0
+    rows = dict(re.findall(r"^(.+?)\s{2,}(.*)$", capsys.readouterr().out, re.M))
+    assert rows["expert cache"].startswith("0 B of MLX memory")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["info", str(packed), "--cache-budget", "lots"])
+    assert e.value.code == 2 and "--cache-budget" in capsys.readouterr().err
+
+    args = cli.build_parser().parse_args(["chat", "--expert-io", "pread", "--threads", "3",
+                                          "--cache-budget", "1GB", "--backend", "ops"])
+    assert cli.load_kwargs(args) == {"expert_io": "pread", "threads": 3, "cache_budget": "1GB",
+                                     "backend": "ops"}
+    assert cli.load_kwargs(cli.build_parser().parse_args(["generate"])) == {}
+
+
+def test_info_names_each_architecture(ckpts, capsys):
+    for arch in synth.ARCHITECTURES:
+        assert cli.main(["info", str(ckpts[arch])]) == 0
+        out = capsys.readouterr().out
+        assert re.search(rf"^model_type\s+{arch}\b", out, re.M), out
+    # deepseek_v3's first layer is dense: one more layer than MoE layers
+    assert cli.main(["info", str(ckpts["deepseek_v3"])]) == 0
+    assert re.search(r"^layers\s+3, of which 2 MoE \(1-2\)", capsys.readouterr().out, re.M)
+
+
+def test_convert_and_verify(ckpts, tmp_path, capsys):
+    dst = tmp_path / "out"
+    assert cli.main(["convert", str(ckpts["mixtral"]), str(dst), "--verify", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "(verified byte for byte)" in out and "2 MoE layers" in out
+    assert sorted(p.name for p in (dst / PACKED_DIR).iterdir()) == [
+        "layer_00.bin", "layer_01.bin", "layout.json"]
+    # another model onto the same destination: refused in one line
+    assert cli.main(["convert", str(ckpts["qwen3_moe"]), str(dst), "-q"]) == 2
+    assert "already exists" in _one_line_error(capsys.readouterr().err)
+
+
+def test_convert_of_a_non_checkpoint_is_one_line(tmp_path, capsys):
+    (tmp_path / "src").mkdir()
+    assert cli.main(["convert", str(tmp_path / "src"), str(tmp_path / "dst")]) == 2
+    assert "config.json" in _one_line_error(capsys.readouterr().err)
+
+
+# --------------------------------------------------------------------------- generate, demo
+
+
+def test_generate(packed, capsys):
+    rc = cli.main(["generate", "--model", str(packed), "--prompt", "hello", "-m", "10",
+                   "--expert-io", "pread", "--threads", "2"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert out.strip()
+    m = STATS.search(err)
+    assert m and int(m[2]) <= 10, err
+    assert "(pread)" in err  # the expert I/O option reached moeflux_mlx.load
+
+
+def test_generate_sampling_is_seeded(packed, capsys):
+    args = ["generate", "--model", str(packed), "-p", "hi", "-m", "12", "--temp", "1.0",
+            "--top-p", "0.9"]
+    texts = []
+    for seed in ("1", "1", "2"):
+        assert cli.main(args + ["--seed", seed]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] != texts[2]
+
+
+def test_generate_missing_model_is_one_line(tmp_path, capsys):
+    assert cli.main(["generate", "--model", str(tmp_path / "nope"), "-m", "2"]) == 2
+    assert "nope" in _one_line_error(capsys.readouterr().err)
+
+
+def test_unknown_flag_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["info", "--bogus"])
+    assert e.value.code == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_demo_builds_once_then_reuses(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cli.main(["demo", "-m", "6"]) == 0
+    out, err = capsys.readouterr()
+    assert "using the demo checkpoint" in err
+    demo = Path(re.search(r"Demo checkpoint: (\S+)", err)[1])
+    assert demo.parent == tmp_path / "moeflux-mlx" and (demo / "config.json").is_file()
+    assert out.strip() and STATS.search(err)
+    mtime = (demo / "config.json").stat().st_mtime_ns
+    assert cli.main(["demo", "-m", "2"]) == 0
+    assert (demo / "config.json").stat().st_mtime_ns == mtime
+
+
+def test_module_entry_point_verbose_logs_ram_gate(packed):
+    """``python -m moeflux_mlx.cli`` works without the console script; --verbose logs at INFO."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-m", "moeflux_mlx.cli", "generate", "--model", str(packed),
+                        "-p", "hi", "-m", "4", "--verbose"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"INFO moeflux_mlx\.store: expert I/O: mmap \(", r.stderr), r.stderr
+    assert STATS.search(r.stderr)
+    quiet = subprocess.run([sys.executable, "-m", "moeflux_mlx.cli", "info", str(packed)],
+                           capture_output=True, text=True, env=env, timeout=120)
+    assert quiet.returncode == 0 and "INFO" not in quiet.stderr
