@@ -312,3 +312,52 @@ def write_results(result: dict, out_dir: Path, stem: str) -> List[Path]:
     written.append(out_dir / f"{stem}.png")
     fig.savefig(written[-1], dpi=120)
     return written
+
+
+def add_args(p) -> None:
+    """Arguments of ``moeflux-mlx bench`` and ``benchmarks/decode.py``."""
+    from . import synth
+
+    p.add_argument("model", nargs="?", type=Path, help="checkpoint to benchmark, plain or "
+                   "converted (default: build a random-weight one with --arch/--size)")
+    p.add_argument("--arch", default="qwen3_moe", choices=synth.ARCHITECTURES)
+    p.add_argument("--size", default="small", choices=synth.SIZES)
+    p.add_argument("--layers", type=int, help="number of decoder layers of the built model")
+    p.add_argument("--build-dir", type=Path, default=Path(".cache/bench-models"))
+    p.add_argument("--budgets", default="1,0.99,0.5,0.25,0",
+                   help="cache budgets as fractions of the experts (0.99: nearly all hits, one "
+                        "sync per layer: measures the sync overhead)")
+    p.add_argument("--io", default="mmap,pread", help="I/O modes to run")
+    p.add_argument("--prefetch", default="both", choices=["off", "on", "both"])
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--bench-backend", default=None, help="expert backend (default: auto)")
+    p.add_argument("--no-stock", action="store_true", help="skip stock mlx-lm")
+    p.add_argument("--machine", default=None, help="machine label for the results file name")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+
+
+def run_cli(args) -> int:
+    import datetime
+
+    from . import synth
+
+    model = args.model
+    if model is None:
+        overrides = {"num_hidden_layers": args.layers} if args.layers else None
+        model = args.build_dir / (f"{args.arch}-{args.size}" + (f"-{args.layers}l" if args.layers else ""))
+        if not model.exists():
+            synth.build_checkpoint(model, args.arch, args.size, overrides=overrides)
+    result = run_benchmark(
+        model, budgets=[float(b) for b in args.budgets.split(",")], io_modes=args.io.split(","),
+        prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
+        stock=not args.no_stock, backend=args.bench_backend,
+        prefetch={"off": (False,), "on": (True,), "both": (False, True)}[args.prefetch])
+    print(format_table(result))
+    if result.get("sync_overhead_ms_per_layer") is not None:
+        print(f"host-sync overhead per MoE layer: {result['sync_overhead_ms_per_layer']:.3f} ms")
+    gpu = result["machine"].split(",")[0] if "," in result["machine"] else ""
+    machine = args.machine or (gpu.split()[-1].lower() if gpu else f"cpu{psutil.cpu_count()}")
+    for f in write_results(result, args.out, f"{datetime.date.today()}-{machine}-decode"):
+        print("wrote", f)
+    return 0

@@ -8,6 +8,7 @@ and the expert tensors are dropped from the (lazy) weight dict, so they are neve
 from __future__ import annotations
 
 import logging
+import weakref
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -175,4 +176,5 @@ def load(path, *, expert_io: Optional[str] = None, backend: Optional[str] = None
         runtime.close()
         raise
     model.moeflux = runtime
+    weakref.finalize(model, runtime.close)  # e.g. mlx-lm's server dropping a model it swapped out
     return model, tokenizer

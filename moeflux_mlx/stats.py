@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Dict
+from typing import Dict, Optional
 
 
 @dataclass
@@ -43,9 +43,11 @@ class Stats:
         return t
 
     @property
-    def hit_rate(self) -> float:
+    def hit_rate(self) -> Optional[float]:
+        """Of the experts routed through a host sync, the share already resident; None when no
+        call synced (every layer fully resident)."""
         t = self.total()
-        return 1.0 - t.experts_missed / t.experts_routed if t.experts_routed else 0.0
+        return 1.0 - t.experts_missed / t.experts_routed if t.experts_routed else None
 
     def to_dict(self) -> dict:
         total = asdict(self.total())
