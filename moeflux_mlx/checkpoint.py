@@ -3,7 +3,6 @@ converted (packed) directory, and describe them with one ``ExpertLayout`` per Mo
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,8 +10,8 @@ from typing import Dict, Optional
 
 from mlx_lm.utils import load_config
 
-from .errors import CheckpointError, UnsupportedQuantizationError
-from .layout import ExpertLayout, ModelLayout, Quantization, layer_file_name
+from .errors import CheckpointError, LayoutError, UnsupportedQuantizationError
+from .layout import FORMAT_VERSION, ExpertLayout, ModelLayout, Quantization, layer_file_name
 from .safetensors_index import TensorRange, index_directory
 
 # mlx-lm stacks each MoE layer's experts under a `switch_mlp` module; the key's layer number is
@@ -40,36 +39,58 @@ class CheckpointExperts:
 def read_config(path: Path) -> dict:
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"{path}: not a directory")
+        raise CheckpointError(f"{path}: {'not a directory' if path.exists() else 'no such directory'}")
     try:
-        return load_config(path)
+        config = load_config(path)
     except FileNotFoundError as e:
         raise CheckpointError(f"{path}: no config.json; not an mlx-lm checkpoint") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except PermissionError as e:
+        raise CheckpointError(f"{path / 'config.json'}: not readable ({e.strerror})") from e
+    except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
         raise CheckpointError(f"{path / 'config.json'}: unreadable ({e})") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path / 'config.json'}: not a JSON object")
+    return config
 
 
 def is_packed(path: Path) -> bool:
     return (Path(path) / PACKED_DIR / LAYOUT_FILE).exists()
 
 
+def looks_converted(path: Path, config: Optional[dict] = None) -> bool:
+    """A converted directory, even one whose ``layout.json`` was lost."""
+    path = Path(path)
+    if is_packed(path) or (path / PACKED_DIR).is_dir():
+        return True
+    return isinstance(config, dict) and MOEFLUX_CONFIG_KEY in config
+
+
 def _quantization_for(config: dict, module_path: str) -> Optional[Quantization]:
     """The quantization mlx-lm's loader would give ``module_path`` (per-path entries first)."""
     q = config.get("quantization") or config.get("quantization_config")
-    if not q or "bits" not in q:
+    if not isinstance(q, dict) or "bits" not in q:
         return None
     per_path = q.get(module_path)
     if per_path is False:
         return None
     src = per_path if isinstance(per_path, dict) else q
-    return Quantization(int(src.get("bits", q["bits"])), int(src.get("group_size", q["group_size"])),
-                        src.get("mode", q.get("mode", "affine")))
+    try:
+        return Quantization(int(src.get("bits", q["bits"])),
+                            int(src.get("group_size", q.get("group_size", 64))),
+                            str(src.get("mode", q.get("mode", "affine"))))
+    except (TypeError, ValueError) as e:
+        raise UnsupportedQuantizationError(
+            f"config.json: quantization of {module_path} is not understood ({src!r})") from e
 
 
 def scan_checkpoint(path: Path) -> CheckpointExperts:
     """Index a plain mlx-lm checkpoint directory. Reads headers only."""
     path = Path(path)
     config = read_config(path)
+    if looks_converted(path, config):
+        # a converted directory that lost its layout.json would otherwise read as "not MoE"
+        raise LayoutError(f"{path / PACKED_DIR / LAYOUT_FILE}: missing; {path} is a converted "
+                          "moeflux directory without its layout (convert it again)")
     tensors = index_directory(path)
     found: Dict[int, Dict[str, TensorRange]] = {}
     modules: Dict[int, str] = {}
@@ -110,6 +131,40 @@ def scan_checkpoint(path: Path) -> CheckpointExperts:
 
 def packed_layout(path: Path) -> ModelLayout:
     return ModelLayout.load(Path(path) / PACKED_DIR / LAYOUT_FILE)
+
+
+def check_packed(path: Path) -> ModelLayout:
+    """Open-time checks of a converted directory, headers and sizes only: config.json readable,
+    its ``moeflux`` section consistent with ``layout.json``, the dense safetensors intact.
+
+    Returns the layout. (The layer files are checked when the store opens them, the model's
+    shapes against the layout when the loader builds the model.)"""
+    path = Path(path)
+    config = read_config(path)
+    layout = packed_layout(path)
+    where = path / PACKED_DIR / LAYOUT_FILE
+    section = config.get(MOEFLUX_CONFIG_KEY)
+    if section is not None:
+        if not isinstance(section, dict):
+            raise LayoutError(f"{path / 'config.json'}: malformed {MOEFLUX_CONFIG_KEY!r} section")
+        version = section.get("format_version")
+        if version != FORMAT_VERSION:
+            raise LayoutError(f"{path / 'config.json'}: converted with format_version {version!r}, "
+                              f"this moeflux-mlx reads {FORMAT_VERSION}; convert again")
+        layers = section.get("moe_layers")
+        try:
+            layers = None if layers is None else sorted(int(x) for x in layers)
+        except (TypeError, ValueError) as e:
+            raise LayoutError(f"{path / 'config.json'}: malformed moe_layers {layers!r}") from e
+        if layers is not None and layers != sorted(layout.layers):
+            raise LayoutError(f"{where}: MoE layers {sorted(layout.layers)} do not match config.json's "
+                              f"{sorted(layers)}; layout and config come from different conversions")
+        total = section.get("total_expert_bytes")
+        if total is not None and total != layout.total_expert_bytes:
+            raise LayoutError(f"{where}: {layout.total_expert_bytes} expert bytes, config.json says "
+                              f"{total}; layout and config come from different conversions")
+    index_directory(path)  # damaged headers, missing shards of the dense weights
+    return layout
 
 
 def packed_file(path: Path, layer: int) -> Path:

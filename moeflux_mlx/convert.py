@@ -27,7 +27,8 @@ from tqdm import tqdm
 
 from .checkpoint import (LAYOUT_FILE, MOEFLUX_CONFIG_KEY, PACKED_DIR, CheckpointExperts,
                          is_packed, packed_file, scan_checkpoint)
-from .errors import CheckpointError, MoefluxError
+from .errors import (CheckpointError, ConvertError, ExpertFileError, ExpertReadError,
+                     MoefluxError)
 from .layout import FORMAT_VERSION, ExpertLayout
 from .safetensors_index import TensorRange
 from .store import read_exact
@@ -40,65 +41,104 @@ SKIP_FILES = {"config.json", "model.safetensors.index.json"}
 STATE_FILE = ".moeflux-convert.json"
 
 
-class ConvertError(MoefluxError):
-    pass
-
-
 def convert(src, dst, *, verify: bool = False, progress: bool = True) -> Path:
-    """Convert the mlx-lm checkpoint ``src`` into a streaming directory ``dst``. Returns ``dst``."""
+    """Convert the mlx-lm checkpoint ``src`` into a streaming directory ``dst``. Returns ``dst``.
+
+    ``src`` is only read. ``dst`` appears in one rename once everything is written (and verified,
+    with ``verify=True``), so it never exists half-written. A failed or killed conversion leaves
+    ``dst.partial``; a rerun with the same, unchanged source resumes there (files completed before
+    the interruption are kept), otherwise it starts afresh. An existing ``dst`` is never touched:
+    ``ConvertError`` (its message says whether it is a finished conversion of this source)."""
     src, dst = Path(src), Path(dst)
     if is_packed(src):
         raise CheckpointError(f"{src}: already a converted moeflux directory")
-    if dst.exists():
-        raise ConvertError(f"{dst}: already exists; remove it or choose another destination")
-    ckpt = scan_checkpoint(src)
+    ckpt = scan_checkpoint(src)  # every header checked before anything is written
+    state = _fingerprint(ckpt)
+    if dst.exists() or dst.is_symlink():
+        done = (" (a finished conversion of this source: nothing to do)"
+                if _finished_from(dst, state) else "")
+        raise ConvertError(f"{dst}: already exists{done}; remove it or choose another destination")
     work = dst.with_name(dst.name + ".partial")
-    _prepare_workdir(work, ckpt)
-    total = sum(r.nbytes for r in ckpt.dense.values()) + ckpt.layout.total_expert_bytes
-    with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress) as bar:
-        _write_dense(ckpt, work, bar)
-        (work / PACKED_DIR).mkdir(exist_ok=True)
-        for layer, layout in sorted(ckpt.layout.layers.items()):
-            _write_layer(ckpt, layer, layout, packed_file(work, layer), bar)
-    ckpt.layout.save(work / PACKED_DIR / LAYOUT_FILE)
-    _copy_side_files(src, work)
-    config = dict(ckpt.config)
-    config[MOEFLUX_CONFIG_KEY] = {
-        "format_version": FORMAT_VERSION,
-        "layout": f"{PACKED_DIR}/{LAYOUT_FILE}",
-        "moe_layers": sorted(ckpt.layout.layers),
-        "total_expert_bytes": ckpt.layout.total_expert_bytes,
-    }
-    _atomic_write_text(work / "config.json", json.dumps(config, indent=4))
-    (work / STATE_FILE).unlink()
-    _fsync_dir(work)
-    os.rename(work, dst)
-    _fsync_dir(dst.parent)
+    try:
+        _prepare_workdir(work, state)
+        total = sum(r.nbytes for r in ckpt.dense.values()) + ckpt.layout.total_expert_bytes
+        with tqdm(total=total, unit="B", unit_scale=True, desc="convert",
+                  disable=not progress) as bar:
+            _write_dense(ckpt, work, bar)
+            (work / PACKED_DIR).mkdir(exist_ok=True)
+            for layer, layout in sorted(ckpt.layout.layers.items()):
+                _write_layer(ckpt, layer, layout, packed_file(work, layer), bar)
+        _atomic_write_text(work / PACKED_DIR / LAYOUT_FILE,
+                           json.dumps(ckpt.layout.to_dict(), indent=1))
+        _copy_side_files(src, work)
+        config = dict(ckpt.config)
+        config[MOEFLUX_CONFIG_KEY] = {
+            "format_version": FORMAT_VERSION,
+            "layout": f"{PACKED_DIR}/{LAYOUT_FILE}",
+            "moe_layers": sorted(ckpt.layout.layers),
+            "total_expert_bytes": ckpt.layout.total_expert_bytes,
+            "source": state,
+        }
+        _atomic_write_text(work / "config.json", json.dumps(config, indent=4))
+        for tmp in list(work.glob("*.tmp")) + list((work / PACKED_DIR).glob("*.tmp")):
+            if tmp.with_name(tmp.name[:-len(".tmp")]).exists():
+                tmp.unlink()  # left by an interrupted earlier run, completed since
+        if verify:
+            try:
+                verify_conversion(src, work, progress=progress)
+            except ConvertError:
+                shutil.rmtree(work, ignore_errors=True)  # wrong bytes: nothing worth resuming
+                raise
+        (work / STATE_FILE).unlink()  # a rerun still recognizes the work dir by its config.json
+        _fsync_tree(work)
+        os.rename(work, dst)
+        _fsync_dir(dst.parent)
+    except (ExpertReadError, ExpertFileError) as e:  # the source failed to read mid-way
+        raise type(e)(f"{e}; {dst} was not created, the completed part is kept in {work} and a "
+                      "rerun resumes there") from e
+    except MoefluxError:
+        raise
+    except OSError as e:  # disk full, permission denied on DST, ...
+        raise ConvertError(f"{dst}: conversion failed: {e}; {dst} was not created, the completed "
+                           f"part is kept in {work} and a rerun resumes there") from e
     log.info("converted %s -> %s (%d MoE layers, %.2f GB of experts)", src, dst,
              len(ckpt.layout.layers), ckpt.layout.total_expert_bytes / 1e9)
-    if verify:
-        verify_conversion(src, dst, progress=progress)
     return dst
 
 
 def _fingerprint(ckpt: CheckpointExperts) -> dict:
     files = sorted({r.file for r in ckpt.dense.values()} |
                    {r.file for comps in ckpt.ranges.values() for r in comps.values()})
+    stats = {f.name: f.stat() for f in files}
     return {"format_version": FORMAT_VERSION, "source": str(ckpt.path.resolve()),
-            "files": {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}}
+            "files": {n: [st.st_size, st.st_mtime_ns] for n, st in stats.items()}}
 
 
-def _prepare_workdir(work: Path, ckpt: CheckpointExperts) -> None:
+def _finished_from(dst: Path, state: dict) -> bool:
+    """``dst`` is a finished conversion of the source ``state`` describes."""
+    try:
+        config = json.loads((dst / "config.json").read_text())
+        return is_packed(dst) and config[MOEFLUX_CONFIG_KEY]["source"] == state
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _prepare_workdir(work: Path, state: dict) -> None:
     """Resume in ``work`` if it was left by a conversion of the same source, else start afresh."""
-    state = _fingerprint(ckpt)
     try:
         if json.loads((work / STATE_FILE).read_text()) == state:
             log.info("resuming the interrupted conversion in %s", work)
             return
     except (OSError, ValueError):
         pass
-    if work.exists():
-        shutil.rmtree(work)
+    if _finished_from(work, state):  # killed between the last write and the rename
+        _atomic_write_text(work / STATE_FILE, json.dumps(state))
+        return
+    if work.exists() or work.is_symlink():
+        if work.is_dir() and not work.is_symlink():
+            shutil.rmtree(work)
+        else:
+            work.unlink()
     work.mkdir(parents=True)
     _atomic_write_text(work / STATE_FILE, json.dumps(state))
 
@@ -144,12 +184,12 @@ def _write_safetensors(out: Path, tensors: Dict[str, TensorRange], bar) -> None:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         buf = bytearray(min(CHUNK_BYTES, max((r.nbytes for r in tensors.values()), default=1)))
-        for r in tensors.values():
+        for name, r in tensors.items():
             with open(r.file, "rb", buffering=0) as src:
                 for start in range(0, r.nbytes, len(buf)):
                     n = min(len(buf), r.nbytes - start)
                     view = memoryview(buf)[:n]
-                    read_exact(src.fileno(), r.start + start, view, str(r.file))
+                    read_exact(src.fileno(), r.start + start, view, f"{r.file} (tensor {name})")
                     f.write(view)
                     bar.update(n)
         f.flush()
@@ -205,6 +245,12 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _fsync_tree(work: Path) -> None:
+    for d in (work / PACKED_DIR, work):
+        if d.is_dir():
+            _fsync_dir(d)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -237,7 +283,10 @@ def verify_conversion(src, dst, *, progress: bool = True) -> None:
             bar.update(r.nbytes)
         for layer, lay in sorted(layout.layers.items()):
             path = packed_file(dst, layer)
-            size = path.stat().st_size
+            try:
+                size = path.stat().st_size
+            except OSError as e:
+                raise ExpertFileError(f"{path}: {e.strerror} (layer {layer})") from e
             if size != lay.layer_bytes:
                 raise ConvertError(f"{path}: {size} bytes, expected {lay.layer_bytes}")
             from .store import SafetensorsLayer, PackedLayer

@@ -1,4 +1,18 @@
-"""Exception types. Every message names the file, layer or expert concerned."""
+"""Exception types. Every message names the file, layer or expert concerned.
+
+``docs/errors.md`` lists every bad input and fault, and which of these each one raises.
+
+    MoefluxError
+    ├── CheckpointError (ValueError)        not a usable MoE checkpoint: no experts, missing shards,
+    │   ├── SafetensorsHeaderError            damaged header, offsets past the end of the file
+    │   ├── UnsupportedQuantizationError      quantization mode / bits / group size
+    │   └── LayoutError                       layout.json corrupt / other version / not the files'
+    ├── ExpertFileError (OSError)           a weight file is missing, unreadable, truncated, wrong size
+    ├── ExpertReadError (OSError)           a read failed during generation (EIO, short read, truncated)
+    ├── ExpertIndexError (IndexError)       the router asked for an expert the layer does not have
+    ├── ModelClosedError (RuntimeError)     the model was closed
+    └── ConvertError                        convert could not finish (DST exists, write failed, verify)
+"""
 
 
 class MoefluxError(Exception):
@@ -18,15 +32,19 @@ class UnsupportedQuantizationError(CheckpointError):
 
 
 class LayoutError(CheckpointError):
-    """layout.json is corrupt, of another format version, or does not match the files."""
+    """layout.json is missing, corrupt, of another format version, or does not match the files
+    or the model config."""
 
 
 class ExpertFileError(MoefluxError, OSError):
-    """A packed layer file or expert shard is missing, unreadable, truncated or of the wrong size."""
+    """A weight file (packed layer file or safetensors shard) is missing, unreadable, truncated or
+    of the wrong size. Raised when the model is opened, before any generation."""
 
 
 class ExpertReadError(MoefluxError, OSError):
-    """Reading an expert failed mid-generation (disk error, short read)."""
+    """Reading an expert failed mid-generation (disk error, short read, file truncated or replaced
+    after it was opened). The call that needed the expert raises it; nothing is returned for that
+    call. The model stays usable: the next call reads again."""
 
 
 class ExpertIndexError(MoefluxError, IndexError):
@@ -35,3 +53,8 @@ class ExpertIndexError(MoefluxError, IndexError):
 
 class ModelClosedError(MoefluxError, RuntimeError):
     """The streaming model was closed; load it again."""
+
+
+class ConvertError(MoefluxError):
+    """``convert`` could not finish: the destination exists, writing failed (disk full, ...) or the
+    written files do not verify. The destination is never left half-written."""

@@ -15,7 +15,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .errors import LayoutError, UnsupportedQuantizationError
+from .errors import CheckpointError, LayoutError, UnsupportedQuantizationError
 
 FORMAT_VERSION = 1
 ALIGNMENT = 64  # bytes; every component starts aligned, so typed views and vector loads are legal
@@ -129,6 +129,17 @@ class ExpertLayout:
         return layout
 
     def validate(self, where: str = "") -> None:
+        if self.num_experts < 1 or self.blob_size < 1:
+            raise LayoutError(f"{where}: {self.num_experts} experts of {self.blob_size} bytes")
+        names = self.names
+        if len(set(names)) != len(names):
+            raise LayoutError(f"{where}: duplicate expert components {sorted(names)}")
+        for c in self.components:
+            if _sort_key(c.name) is None or c.dtype not in DTYPE_SIZES:
+                raise LayoutError(f"{where}: unknown expert component {c.name} ({c.dtype})")
+            if c.nbytes != DTYPE_SIZES[c.dtype] * math.prod(c.shape) or c.offset < 0:
+                raise LayoutError(f"{where}: component {c.name} has {c.nbytes} bytes at offset "
+                                  f"{c.offset}, which does not match {c.dtype}{list(c.shape)}")
         projs = set(self.projections)
         if not (projs == {"gate_proj", "up_proj", "down_proj"} or projs == {"fc1", "fc2"}):
             raise LayoutError(f"{where}: expert projections {sorted(projs)} are neither "
@@ -175,13 +186,13 @@ class ExpertLayout:
     def from_dict(cls, d: dict, where: str = "") -> "ExpertLayout":
         try:
             def quant(q):
-                return Quantization(int(q["bits"]), int(q["group_size"]), q.get("mode", "affine"))
+                return Quantization(int(q["bits"]), int(q["group_size"]), str(q.get("mode", "affine")))
 
             q = d.get("quantization")
             layout = cls(
                 num_experts=int(d["num_experts"]),
                 components=tuple(
-                    Component(c["name"], c["dtype"], tuple(int(s) for s in c["shape"]),
+                    Component(str(c["name"]), str(c["dtype"]), tuple(int(s) for s in c["shape"]),
                               int(c["offset"]), int(c["nbytes"]))
                     for c in d["components"]
                 ),
@@ -189,7 +200,7 @@ class ExpertLayout:
                 quantization=quant(q) if q else None,
                 overrides={p: quant(o) for p, o in d.get("overrides", {}).items()},
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise LayoutError(f"{where}: malformed expert layout ({type(e).__name__}: {e})") from e
         layout.validate(where)
         return layout
@@ -227,9 +238,9 @@ class ModelLayout:
             items = d["layers"].items()
             layers = {int(k): ExpertLayout.from_dict(v, f"{where}: layer {k}") for k, v in items}
             paths = {int(k): str(v["module_path"]) for k, v in items}
+        except CheckpointError:  # LayoutError, UnsupportedQuantizationError of one layer
+            raise
         except (KeyError, AttributeError, ValueError, TypeError) as e:
-            if isinstance(e, LayoutError):
-                raise
             raise LayoutError(f"{where}: malformed layout ({type(e).__name__}: {e})") from e
         if not layers:
             raise LayoutError(f"{where}: no MoE layers")
@@ -243,9 +254,10 @@ class ModelLayout:
         path = Path(path)
         try:
             d = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        except FileNotFoundError as e:
+            raise LayoutError(f"{path}: missing; the directory is not a complete conversion "
+                              "(convert it again)") from e
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
             raise LayoutError(f"{path}: unreadable layout ({e})") from e
         return cls.from_dict(d, str(path))
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict
 
-from .errors import CheckpointError, SafetensorsHeaderError
+from .errors import CheckpointError, ExpertFileError, SafetensorsHeaderError
 from .layout import DTYPE_SIZES
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the format's own limit
@@ -24,22 +25,39 @@ class TensorRange:
     nbytes: int
 
 
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 def read_header(path: Path) -> Dict[str, TensorRange]:
     """Parse one safetensors header; validate every range against the file size."""
     path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise SafetensorsHeaderError(f"{path}: too short to be a safetensors file ({size} bytes)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise SafetensorsHeaderError(f"{path}: header length {n} is past the end of the "
-                                         f"file ({size} bytes); damaged or truncated download?")
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError as e:
+        raise ExpertFileError(f"{path}: missing safetensors file") from e
+    except PermissionError as e:
+        raise ExpertFileError(f"{path}: not readable ({e.strerror})") from e
+    except OSError as e:
+        raise ExpertFileError(f"{path}: cannot open ({e})") from e
+    with f:
         try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise SafetensorsHeaderError(f"{path}: damaged safetensors header ({e})") from e
+            size = os.fstat(f.fileno()).st_size
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise SafetensorsHeaderError(
+                    f"{path}: too short to be a safetensors file ({size} bytes)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise SafetensorsHeaderError(f"{path}: header length {n} is past the end of the "
+                                             f"file ({size} bytes); damaged or truncated download?")
+            text = f.read(n)
+        except OSError as e:
+            raise ExpertFileError(f"{path}: cannot read the safetensors header ({e})") from e
+    try:
+        header = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise SafetensorsHeaderError(f"{path}: damaged safetensors header ({e})") from e
     if not isinstance(header, dict):
         raise SafetensorsHeaderError(f"{path}: safetensors header is not a JSON object")
     data_start = 8 + n
@@ -48,13 +66,19 @@ def read_header(path: Path) -> Dict[str, TensorRange]:
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (b, e) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+            b, e = offsets
         except (KeyError, TypeError, ValueError) as err:
             raise SafetensorsHeaderError(f"{path}: damaged entry for tensor {name!r}") from err
-        if dtype not in DTYPE_SIZES:
+        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
             raise SafetensorsHeaderError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
+            raise SafetensorsHeaderError(f"{path}: tensor {name!r} has a damaged shape {shape!r}")
+        if not (_is_count(b) and _is_count(e)):
+            raise SafetensorsHeaderError(f"{path}: tensor {name!r} has damaged offsets {offsets!r}")
+        shape = tuple(shape)
         nbytes = DTYPE_SIZES[dtype] * math.prod(shape)
-        if not (0 <= b <= e) or e - b != nbytes:
+        if not b <= e or e - b != nbytes:
             raise SafetensorsHeaderError(f"{path}: tensor {name!r} offsets {b}..{e} do not match "
                                          f"its shape {list(shape)} {dtype}")
         if data_start + e > size:
@@ -65,14 +89,21 @@ def read_header(path: Path) -> Dict[str, TensorRange]:
 
 
 def index_directory(path: Path) -> Dict[str, TensorRange]:
-    """Every tensor of ``model*.safetensors`` in ``path``; checks the shard index if present."""
+    """Every tensor of ``model*.safetensors`` in ``path``; checks the shard index if present:
+    every shard it lists must exist and hold the tensors it lists for it."""
     path = Path(path)
     files = sorted(path.glob("model*.safetensors"))
     index_file = path / "model.safetensors.index.json"
+    weight_map = None
     if index_file.exists():
         try:
             weight_map = json.loads(index_file.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(v, str) for v in weight_map.values()):
+                raise ValueError("weight_map is not a {tensor: file} object")
+        except PermissionError as e:
+            raise CheckpointError(f"{index_file}: not readable ({e.strerror})") from e
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index_file}: unreadable shard index ({e})") from e
         missing = sorted({f for f in weight_map.values() if not (path / f).exists()})
         if missing:
@@ -82,9 +113,11 @@ def index_directory(path: Path) -> Dict[str, TensorRange]:
         raise CheckpointError(f"{path}: no model*.safetensors files; not an mlx-lm checkpoint")
     tensors: Dict[str, TensorRange] = {}
     for f in files:
-        try:
-            tensors.update(read_header(f))
-        except PermissionError as e:
-            raise CheckpointError(f"{f}: not readable ({e.strerror})") from e
+        tensors.update(read_header(f))
+    if weight_map is not None:
+        for name, shard in weight_map.items():
+            r = tensors.get(name)
+            if r is None or r.file.name != Path(shard).name:
+                raise CheckpointError(f"{path / shard}: does not hold tensor {name!r}, which "
+                                      f"{index_file.name} places there; mismatched shards?")
     return tensors
-

@@ -14,14 +14,15 @@ import logging
 import mmap
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
 import numpy as np
 import psutil
 
-from .errors import ExpertFileError, ExpertIndexError, ExpertReadError, ModelClosedError
+from .errors import (ExpertFileError, ExpertIndexError, ExpertReadError, LayoutError,
+                     ModelClosedError)
 from .layout import ExpertLayout
 from .safetensors_index import TensorRange
 
@@ -71,7 +72,7 @@ def select_expert_io(total_expert_bytes: int, requested: Optional[str] = None) -
 
 def _open(path: Path, what: str) -> int:
     try:
-        return os.open(path, os.O_RDONLY)
+        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError as e:
         raise ExpertFileError(f"{path}: missing ({what})") from e
     except PermissionError as e:
@@ -80,41 +81,85 @@ def _open(path: Path, what: str) -> int:
         raise ExpertFileError(f"{path}: cannot open ({what}): {e}") from e
 
 
+class _Mapping:
+    """A read-only map of a whole file, closed explicitly (it holds a duplicate of the fd)."""
+
+    def __init__(self, fd: int, what: str):
+        try:
+            self.mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        except (OSError, ValueError) as e:
+            raise ExpertReadError(f"{what}: cannot map the file: {e}") from e
+        self.array = np.frombuffer(self.mm, np.uint8)
+        self.size = len(self.mm)
+
+    def close(self) -> None:
+        self.array = None
+        try:
+            self.mm.close()
+        except BufferError:  # a view of it is still alive somewhere: the GC closes it later
+            pass
+
+
+def _check_mapped(fd: int, need: int, what: str) -> None:
+    """Touching a mapped page past the end of the file kills the process with SIGBUS. The file
+    may have been truncated since it was opened, so check its size (one fstat, about 1 us)
+    before every mapped read; raise instead of crashing."""
+    try:
+        size = os.fstat(fd).st_size
+    except OSError as e:
+        raise ExpertReadError(f"{what}: cannot stat the file: {e}") from e
+    if size < need:
+        raise ExpertReadError(f"{what}: the file shrank to {size} bytes since it was opened "
+                              f"({need} needed); truncated or rewritten while in use?")
+
+
 class PackedLayer:
     """One converted layer file: expert ``e`` is bytes ``[e*S, (e+1)*S)``."""
 
     def __init__(self, layer: int, layout: ExpertLayout, path: Path):
         self.layer, self.layout, self.path = layer, layout, Path(path)
         self.fd = _open(self.path, f"packed experts of layer {layer}")
-        size = os.fstat(self.fd).st_size
+        try:
+            size = os.fstat(self.fd).st_size
+        except OSError as e:
+            os.close(self.fd)
+            raise ExpertFileError(f"{self.path}: cannot stat (layer {layer}): {e}") from e
         if size != layout.layer_bytes:
             os.close(self.fd)
             raise ExpertFileError(
                 f"{self.path}: {size} bytes, but the layout says layer {layer} holds "
                 f"{layout.num_experts} experts x {layout.blob_size} = {layout.layer_bytes} bytes "
                 f"({'truncated' if size < layout.layer_bytes else 'wrong file or layout'}?)")
-        self._map: Optional[np.ndarray] = None
+        self._map: Optional[_Mapping] = None
+
+    def _what(self, e: int) -> str:
+        return f"{self.path} (layer {self.layer}, expert {int(e)})"
 
     def read_pread(self, experts: Sequence[int], out: np.ndarray) -> None:
-        s = self.layout.blob_size
         for i, e in enumerate(experts):
-            read_exact(self.fd, int(e) * s, memoryview(out[i]), f"{self.path} (expert {int(e)})")
+            self.read_one(e, out[i])
 
     def read_one(self, e: int, out: np.ndarray) -> None:
-        read_exact(self.fd, int(e) * self.layout.blob_size, memoryview(out),
-                   f"{self.path} (expert {int(e)})")
+        read_exact(self.fd, int(e) * self.layout.blob_size, memoryview(out), self._what(e))
 
     def read_mmap(self, experts: Sequence[int], out: np.ndarray) -> None:
+        what = f"{self.path} (layer {self.layer})"
+        _check_mapped(self.fd, self.layout.layer_bytes, what)
         if self._map is None:
-            mm = mmap.mmap(self.fd, 0, prot=mmap.PROT_READ)
-            self._map = np.frombuffer(mm, np.uint8).reshape(self.layout.num_experts, -1)
+            self._map = _Mapping(self.fd, what)
+        if self._map.size < self.layout.layer_bytes:  # mapped while shorter: never read past it
+            raise ExpertReadError(f"{what}: mapped {self._map.size} bytes, "
+                                  f"{self.layout.layer_bytes} needed")
+        view = self._map.array.reshape(self.layout.num_experts, -1)
         try:
-            np.take(self._map, experts, axis=0, out=out)
-        except (OSError, ValueError) as e:  # SIGBUS-free failures of a mapped read
-            raise ExpertReadError(f"{self.path}: mapped read of experts failed: {e}") from e
+            np.take(view, experts, axis=0, out=out)
+        except (OSError, ValueError, IndexError) as e:
+            raise ExpertReadError(f"{what}: mapped read of experts {list(experts)} failed: {e}") from e
 
     def close(self) -> None:
-        self._map = None  # the mapping closes when its last view is dropped
+        if self._map is not None:
+            self._map.close()
+            self._map = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -126,15 +171,24 @@ class SafetensorsLayer:
     def __init__(self, layer: int, layout: ExpertLayout, ranges: Dict[str, TensorRange]):
         self.layer, self.layout = layer, layout
         self.parts = [(c, ranges[c.name]) for c in layout.components]
-        self.fds = {}
+        self.fds: Dict[Path, int] = {}
+        self._maps: Dict[Path, _Mapping] = {}
+        # the end of the last expert byte needed in each file
+        self._need: Dict[Path, int] = {}
+        for _, r in self.parts:
+            self._need[r.file] = max(self._need.get(r.file, 0), r.start + r.nbytes)
         try:
             for _, r in self.parts:
                 if r.file not in self.fds:
                     self.fds[r.file] = _open(r.file, f"experts of layer {layer}")
-        except ExpertFileError:
+                    size = os.fstat(self.fds[r.file]).st_size
+                    if size < self._need[r.file]:
+                        raise ExpertFileError(
+                            f"{r.file}: {size} bytes, but layer {layer}'s experts end at byte "
+                            f"{self._need[r.file]} (truncated?)")
+        except BaseException:
             self.close()
             raise
-        self._maps: Dict[Path, np.ndarray] = {}
 
     def read_one(self, e: int, out: np.ndarray) -> None:
         for c, r in self.parts:
@@ -147,14 +201,22 @@ class SafetensorsLayer:
             self.read_one(e, out[i])
 
     def read_mmap(self, experts: Sequence[int], out: np.ndarray) -> None:
+        for f, fd in self.fds.items():
+            _check_mapped(fd, self._need[f], f"{f} (layer {self.layer})")
+        idx = np.asarray(experts)
         for c, r in self.parts:
-            if r.file not in self._maps:
-                mm = mmap.mmap(self.fds[r.file], 0, prot=mmap.PROT_READ)
-                self._maps[r.file] = np.frombuffer(mm, np.uint8)
-            stacked = self._maps[r.file][r.start:r.start + r.nbytes].reshape(-1, c.nbytes)
-            out[:, c.offset:c.offset + c.nbytes] = stacked[np.asarray(experts)]
+            m = self._maps.get(r.file)
+            if m is None:
+                m = self._maps[r.file] = _Mapping(self.fds[r.file], f"{r.file} (layer {self.layer})")
+            if m.size < r.start + r.nbytes:
+                raise ExpertReadError(f"{r.file} (layer {self.layer}): mapped {m.size} bytes, "
+                                      f"{r.start + r.nbytes} needed")
+            stacked = m.array[r.start:r.start + r.nbytes].reshape(-1, c.nbytes)
+            out[:, c.offset:c.offset + c.nbytes] = stacked[idx]
 
     def close(self) -> None:
+        for m in self._maps.values():
+            m.close()
         self._maps.clear()
         for fd in self.fds.values():
             os.close(fd)
@@ -162,7 +224,13 @@ class SafetensorsLayer:
 
 
 class ExpertStore:
-    """Reads experts of any MoE layer into host staging memory, in parallel for pread."""
+    """Reads experts of any MoE layer into host staging memory, in parallel for pread.
+
+    Faults: a failed read raises ``ExpertReadError`` from the ``read`` call that needed it (a
+    worker's exception is re-raised in the caller, after every other read of that call has
+    finished); nothing is cached from a failed call, so the next call simply reads again. An
+    interrupt (``KeyboardInterrupt``) while reads are in flight cancels the queued ones and
+    retires the staging buffer they write into, so a straggler cannot corrupt a later call."""
 
     def __init__(self, layers: Dict[int, object], io_mode: str, threads: int = 8):
         self.layers = layers  # layer -> PackedLayer | SafetensorsLayer
@@ -173,15 +241,26 @@ class ExpertStore:
         self._lock = threading.Lock()
         self.closed = False
 
+    def _source(self, layer: int):
+        try:
+            return self.layers[layer]
+        except KeyError:
+            raise LayoutError(f"layer {layer} has no routed experts in this checkpoint "
+                              f"(MoE layers: {sorted(self.layers)})") from None
+
     def layout(self, layer: int) -> ExpertLayout:
-        return self.layers[layer].layout
+        return self._source(layer).layout
 
     def check_experts(self, layer: int, experts: np.ndarray) -> None:
-        n = self.layers[layer].layout.num_experts
+        n = self._source(layer).layout.num_experts
+        experts = np.asarray(experts)
+        if experts.size and not np.issubdtype(experts.dtype, np.integer):
+            raise ExpertIndexError(f"layer {layer}: expert indices must be integers, "
+                                   f"got {experts.dtype}")
         if experts.size and (experts.min() < 0 or experts.max() >= n):
             bad = experts[(experts < 0) | (experts >= n)]
-            raise ExpertIndexError(f"layer {layer}: expert index {int(bad[0])} out of range "
-                                   f"(the layer has {n} experts)")
+            raise ExpertIndexError(f"layer {layer}: expert index {int(bad.flat[0])} out of range "
+                                   f"(the layer has {n} experts, 0..{n - 1})")
 
     def staging(self, layer: int, n: int) -> np.ndarray:
         """A reusable ``[n, blob_size]`` host buffer for ``layer`` (grown on demand)."""
@@ -196,46 +275,75 @@ class ExpertStore:
         if self.closed:
             raise ModelClosedError("the expert store is closed; load the model again")
         self.check_experts(layer, experts)
-        src = self.layers[layer]
-        out = self.staging(layer, len(experts)) if out is None else out
+        src = self._source(layer)
+        staged = out is None
+        out = self.staging(layer, len(experts)) if staged else out
         if self.io_mode == "mmap":
             src.read_mmap(experts, out)
         elif len(experts) <= 1 or self.threads <= 1:
             src.read_pread(experts, out)
         else:
-            pool = self._executor()
-            futures = [pool.submit(src.read_one, e, out[i]) for i, e in enumerate(experts)]
-            errors = [f.exception() for f in futures]
-            for err in errors:
-                if err is not None:
-                    raise err
+            self._read_parallel(layer, src, experts, out, staged)
         return out
+
+    def _read_parallel(self, layer, src, experts, out, staged) -> None:
+        pool = self._executor()
+        futures = []
+        try:
+            for i, e in enumerate(experts):
+                futures.append(pool.submit(src.read_one, e, out[i]))
+            errors = [f.exception() for f in futures]  # waits for every read of this call
+        except BaseException:
+            # interrupted (KeyboardInterrupt, ...) while reads are in flight
+            for f in futures:
+                f.cancel()
+            if staged and self._staging.get(layer) is not None:
+                del self._staging[layer]  # a straggler may still write into it: never reuse
+            try:
+                wait(futures, timeout=10)
+            except BaseException:
+                pass
+            raise
+        for err in errors:
+            if err is not None:
+                raise err
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
+            if self.closed:
+                raise ModelClosedError("the expert store is closed; load the model again")
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="moeflux-read")
             return self._pool
 
     def close(self) -> None:
-        self.closed = True
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        """Join the read threads, unmap and close every file. Idempotent."""
+        with self._lock:
+            self.closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         for src in self.layers.values():
             src.close()
         self._staging.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def open_store(path: Path, io_mode: Optional[str] = None, threads: int = 8) -> tuple:
     """Open the experts of a converted directory or a plain mlx-lm checkpoint.
 
-    Returns ``(store, model_layout)``."""
-    from .checkpoint import is_packed, packed_file, packed_layout, scan_checkpoint
+    Everything that can be checked from headers and file sizes is checked here, before any
+    weight is read (see docs/errors.md). Returns ``(store, model_layout)``."""
+    from .checkpoint import check_packed, is_packed, packed_file, scan_checkpoint
 
     path = Path(path)
     if is_packed(path):
-        model_layout = packed_layout(path)
+        model_layout = check_packed(path)
         make = lambda i, lay: PackedLayer(i, lay, packed_file(path, i))  # noqa: E731
     else:
         ckpt = scan_checkpoint(path)
@@ -245,7 +353,7 @@ def open_store(path: Path, io_mode: Optional[str] = None, threads: int = 8) -> t
     try:
         for i, lay in sorted(model_layout.layers.items()):
             layers[i] = make(i, lay)
-    except Exception:
+    except BaseException:
         for src in layers.values():
             src.close()
         raise
