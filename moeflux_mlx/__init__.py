@@ -5,7 +5,7 @@ Data path: files (``convert``) -> store (``store``) -> cache (``cache``) -> kern
 """
 
 from .convert import convert, verify_conversion
-from .errors import (CheckpointError, ExpertFileError, ExpertIndexError, ExpertReadError,
+from .errors import (CheckpointError, ConvertError, ExpertFileError, ExpertIndexError, ExpertReadError,
                      LayoutError, ModelClosedError, MoefluxError, SafetensorsHeaderError,
                      UnsupportedQuantizationError)
 from .loader import StreamingRuntime, load, patch_model
@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "load", "patch_model", "convert", "verify_conversion", "select_expert_io",
-    "StreamingRuntime", "MoefluxError", "CheckpointError", "SafetensorsHeaderError",
+    "StreamingRuntime", "MoefluxError", "CheckpointError", "ConvertError", "SafetensorsHeaderError",
     "UnsupportedQuantizationError", "LayoutError", "ExpertFileError", "ExpertReadError",
     "ExpertIndexError", "ModelClosedError",
 ]

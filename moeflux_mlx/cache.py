@@ -171,12 +171,16 @@ class ExpertCache:
             # victims: free slots first, then the least recently used not needed now
             victims = np.argpartition(lru.last_used, missing.size - 1)[:missing.size]
             blobs = _read(self.store, layer, missing, stats)
+            # free the victims before writing: an interrupted write must not leave a slot that
+            # claims an expert whose bytes never arrived
             old = lru.expert_in[victims]
             lru.slot_of[old[old >= 0]] = -1
+            lru.expert_in[victims] = -1
+            lru.last_used[victims] = -1
+            _write(pool, victims, blobs, stats)
             lru.slot_of[missing] = victims
             lru.expert_in[victims] = missing
             lru.last_used[victims] = self.tick
-            _write(pool, victims, blobs, stats)
             slots = lru.slot_of[experts]
             stats.experts_missed += missing.size
         return slots.astype(np.uint32), pool.pool

@@ -12,6 +12,7 @@ import weakref
 from pathlib import Path
 from typing import Optional, Tuple
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
@@ -170,6 +171,9 @@ def load(path, *, expert_io: Optional[str] = None, backend: Optional[str] = None
 
     try:
         model, config = load_model(path, model_config=model_config, get_model_classes=get_classes)
+        # the random initial weights of the replaced experts were never evaluated; evaluate the
+        # global key so it does not keep their lazy graph (about 75 KB per load) alive
+        mx.eval(mx.random.state)
         tokenizer = load_tokenizer(path, tokenizer_config,
                                    eos_token_ids=config.get("eos_token_id", None))
     except Exception:

@@ -43,6 +43,7 @@ class StreamingSwitchGLU(nn.Module):
         idx = np.array(indices)  # the one host sync per MoE layer: which experts were routed
         t1 = time.perf_counter()
         experts, inverse = np.unique(idx, return_inverse=True)
+        rt.store.check_experts(self.layer, experts)
         slot_of, pool = rt.cache.fetch(self.layer, experts, stats)
         if predicted is not None:
             nxt = ahead[0]

@@ -65,21 +65,31 @@ class Prefetcher:
     def read(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """Blobs of ``experts``: prefetched ones from their buffers, the rest from the store.
 
-        A failed prefetch raises here, on the call that needed it."""
+        A prefetch is a hint: one that failed is read again directly, so a lasting fault
+        raises from that read, on the call that needed the expert, and a passing one is gone."""
         ready = {e: f for e in experts.tolist() if (f := self._pending.pop((layer, e), None))}
         self._discard(layer)  # predictions for this layer that the router did not pick
         if not ready:
             return self.store.read(layer, experts)
         st = self.stats.layer(layer)
         out = np.empty((len(experts), self.store.layout(layer).blob_size), np.uint8)
-        rest = [i for i, e in enumerate(experts.tolist()) if e not in ready]
+        rest = []
         try:
             for i, e in enumerate(experts.tolist()):
-                if e in ready:
-                    buf = ready.pop(e).result()
-                    out[i] = buf
-                    self._free.append(buf)
-                    st.prefetch_hits += 1
+                f = ready.pop(e, None)
+                try:
+                    buf = f.result() if f is not None else None
+                except Exception as err:  # noqa: BLE001 - any failure: read it again below
+                    log.debug("layer %d: prefetch of expert %d failed (%s); reading it again",
+                              layer, e, err)
+                    st.prefetch_failed += 1
+                    buf = None
+                if buf is None:
+                    rest.append(i)
+                    continue
+                out[i] = buf
+                self._free.append(buf)
+                st.prefetch_hits += 1
         finally:
             for f in ready.values():
                 f.cancel()

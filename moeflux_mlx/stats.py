@@ -15,6 +15,7 @@ class LayerStats:
     experts_missed: int = 0  # of those, not resident when asked
     prefetch_issued: int = 0  # experts read ahead because the next-layer prediction named them
     prefetch_hits: int = 0  # misses whose bytes a prefetch had already read
+    prefetch_failed: int = 0  # prefetches that failed and were read again directly
     experts_read: int = 0  # blobs read from disk (misses, whole-layer fills, prefetches)
     bytes_read: int = 0
     sync_s: float = 0.0  # waiting for the router's indices (device -> host)

@@ -2,7 +2,6 @@
 
 import mlx.core as mx
 import mlx_lm
-import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
@@ -75,19 +74,28 @@ def test_prefetch_is_exact_and_serves_misses(reference, budget):
         assert 0 < t.prefetch_hits <= min(t.prefetch_issued, t.experts_missed)
 
 
-def test_failed_prefetch_reaches_the_caller_and_model_recovers(reference, monkeypatch):
+def test_failed_prefetch_is_read_again_and_a_lasting_fault_reaches_the_caller(reference, monkeypatch):
     packed, prompt, want, _ = reference
-    model, _ = moeflux_mlx.load(packed, cache_budget=0, prefetch=True)
+    model, _ = moeflux_mlx.load(packed, cache_budget=0, prefetch=True, expert_io="pread")
     import moeflux_mlx.prefetch as pf
-
-    real = pf._read_one
+    import moeflux_mlx.store as store
 
     def broken(src, e, buf):
         raise ExpertReadError(f"layer {src.layer}: injected failure reading expert {e}")
 
-    with model.moeflux:
-        monkeypatch.setattr(pf, "_read_one", broken)
-        with pytest.raises(ExpertReadError, match="injected failure"):
+    with model.moeflux as rt:
+        monkeypatch.setattr(pf, "_read_one", broken)  # only the prefetches fail: exact anyway
+        assert _greedy(model, prompt) == want
+        t = rt.stats.total()
+        assert t.prefetch_failed > 0 and t.prefetch_hits == 0
+        real = store.read_exact
+
+        def eio(fd, start, into, what):
+            raise ExpertReadError(f"{what}: injected lasting fault")
+
+        monkeypatch.setattr(store, "read_exact", eio)  # every read fails: the caller hears it
+        with pytest.raises(ExpertReadError, match="injected lasting fault"):
             _greedy(model, prompt, 8)
-        monkeypatch.setattr(pf, "_read_one", real)
+        monkeypatch.setattr(store, "read_exact", real)
+        monkeypatch.undo()
         assert _greedy(model, prompt) == want
