@@ -1,0 +1,509 @@
+"""Fused expert kernels (moeflux_mlx.kernels).
+
+GPU tests compare every kernel with a float64 numpy dequantize-and-multiply reference on fresh
+random inputs, with outputs poisoned (NaN) before each run and checked fully written. They run where
+MLX has a Metal or CUDA backend and skip elsewhere. CPU tests check source loading, the assembly of
+the shared kernel text for both dialects, and KernelBackend's routing/fallback.
+
+Error measure: ||out - ref|| / ||ref|| over the whole output (float64), against
+  * the plain float64 reference (TOL, per activation dtype), and, for the GLU kernel,
+  * the float64 reference with the kernel's documented roundings applied (gate, up and each step
+    of silu(gate) * up rounded to the activation dtype, as mlx-lm's SwitchGLU does) (TOL_ROUNDED).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models.switch_layers import SwiGLU
+
+from moeflux_mlx import kernels as K
+from moeflux_mlx.backends import ExpertPool, OpsBackend
+from moeflux_mlx.layout import ExpertLayout, Quantization
+
+
+def _gpu_dialect():
+    if mx.default_device() != mx.gpu:
+        return None
+    if mx.metal.is_available():
+        return "metal"
+    if mx.cuda.is_available():
+        return "cuda"
+    return None
+
+
+DIALECT = _gpu_dialect()
+needs_gpu = pytest.mark.skipif(
+    DIALECT is None,
+    reason="needs MLX with a Metal or CUDA GPU backend (custom kernels cannot run on the CPU)")
+
+DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+DNAME = {mx.bfloat16: "bf16", mx.float16: "fp16", mx.float32: "fp32"}
+# ||out - ref|| / ||ref|| against float64. bf16 keeps 8 significant bits (one rounding: <= 2^-9
+# relative), fp16 11 bits (2^-12); fp32 accumulation over a few thousand terms stays near 1e-6.
+TOL = {mx.bfloat16: 1e-2, mx.float16: 2e-3, mx.float32: 1e-5}
+# GLU against the reference with the same roundings applied: only 1-ulp rounding flips remain.
+TOL_ROUNDED = {mx.bfloat16: 5e-3, mx.float16: 1e-3, mx.float32: 1e-5}
+# KernelBackend against OpsBackend (gather_qmm): two fp32-accumulating implementations, both
+# rounding gate/up/h to the activation dtype.
+TOL_OPS = {mx.bfloat16: 2e-2, mx.float16: 3e-3, mx.float32: 1e-5}
+
+# (hidden H, intermediate I, experts K) of real models
+MODELS = {
+    "qwen3-30b-a3b": (2048, 768, 8),
+    "qwen3.5-397b-a17b": (4096, 1024, 10),
+    "deepseek-v3": (7168, 2048, 8),
+}
+
+RESULTS = []  # (kernel, case, relative error) for the report
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    yield
+    path = os.environ.get("MOEFLUX_KERNEL_REPORT")
+    if path and RESULTS:
+        worst = {}
+        for kind, case, err in RESULTS:
+            key = f"{kind}/{case['dtype']}"
+            worst[key] = max(worst.get(key, 0.0), err)
+        with open(path, "w") as f:
+            json.dump({"dialect": DIALECT, "cases": len(RESULTS), "max_rel_err": worst,
+                       "results": [{"kernel": k, **c, "rel_err": e} for k, c, e in RESULTS]},
+                      f, indent=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _np(a: mx.array) -> np.ndarray:
+    if a.dtype in (mx.bfloat16, mx.float16, mx.float32):
+        return np.array(a.astype(mx.float32)).astype(np.float64)
+    return np.array(a)
+
+
+def _round(v: np.ndarray, dtype) -> np.ndarray:
+    return _np(mx.array(v.astype(np.float32)).astype(dtype))
+
+
+def _rel(out: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def _dequant(w: np.ndarray, s: np.ndarray, b: np.ndarray, bits: int, gs: int) -> np.ndarray:
+    """float64 dequantization of one expert's [O, P] packed uint32 rows (MLX affine layout)."""
+    per = 32 // bits
+    shifts = (np.arange(per, dtype=np.uint32) * bits).astype(np.uint32)
+    q = ((w[..., None] >> shifts) & np.uint32((1 << bits) - 1)).reshape(w.shape[0], -1)
+    return q.astype(np.float64) * np.repeat(s, gs, axis=-1) + np.repeat(b, gs, axis=-1)
+
+
+class RefPool:
+    """float64 dequantized experts, computed on demand from the pool arrays."""
+
+    def __init__(self, arrays, bits, gs):
+        self.np = {k: _np(v) for k, v in arrays.items()}
+        self.bits, self.gs, self.cache = bits, gs, {}
+
+    def w(self, proj, slot):
+        key = (proj, slot)
+        if key not in self.cache:
+            a = self.np
+            self.cache[key] = _dequant(a[f"{proj}.weight"][slot], a[f"{proj}.scales"][slot],
+                                       a[f"{proj}.biases"][slot], self.bits, self.gs)
+        return self.cache[key]
+
+
+def make_arrays(n, hid, inter, bits, gs, sdtype, seed=0):
+    """A pool of n random experts, MLX-quantized; scales/biases in sdtype."""
+    keys = mx.random.split(mx.random.key(seed), 3)
+    arrays = {}
+    for key, (proj, (o, i)) in zip(keys, {"gate_proj": (inter, hid), "up_proj": (inter, hid),
+                                          "down_proj": (hid, inter)}.items()):
+        w = (mx.random.normal((n, o, i), key=key) / math.sqrt(i)).astype(sdtype)
+        wq, s, b = mx.quantize(w, group_size=gs, bits=bits)
+        arrays[f"{proj}.weight"], arrays[f"{proj}.scales"], arrays[f"{proj}.biases"] = wq, s, b
+    mx.eval(arrays)
+    return arrays
+
+
+def make_slots(rng, n_tok, topk, n_slots):
+    return mx.array(np.stack([rng.choice(n_slots, topk, replace=False) for _ in range(n_tok)])
+                    .astype(np.int32))
+
+
+def ref_glu(ref: RefPool, x: np.ndarray, slots: np.ndarray, dtype=None) -> np.ndarray:
+    g = np.stack([[ref.w("gate_proj", s) @ x[t] for s in slots[t]] for t in range(len(slots))])
+    u = np.stack([[ref.w("up_proj", s) @ x[t] for s in slots[t]] for t in range(len(slots))])
+    if dtype is None:
+        return g / (1.0 + np.exp(-g)) * u
+    r = lambda v: _round(v, dtype)  # noqa: E731
+    g, u = r(g), r(u)
+    return r(r(g * r(1.0 / (1.0 + np.exp(-g)))) * u)
+
+
+def ref_down(ref: RefPool, h: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    return np.stack([[ref.w("down_proj", s) @ h[t, k] for k, s in enumerate(slots[t])]
+                     for t in range(len(slots))])
+
+
+def check_glu(arrays, ref, x, slots, bits, gs, case, config=None):
+    dtype = x.dtype
+    h = K.glu_matvec(x, arrays, slots, bits=bits, group_size=gs, dialect=DIALECT, config=config,
+                     init_value=float("nan"))
+    assert h.shape == (*slots.shape, arrays["gate_proj.weight"].shape[1]) and h.dtype == dtype
+    out = _np(h)
+    assert np.isfinite(out).all(), "GLU output not fully written"
+    xs, ss = _np(x), np.array(slots)
+    err = _rel(out, ref_glu(ref, xs, ss))
+    err_r = _rel(out, ref_glu(ref, xs, ss, dtype))
+    RESULTS.append(("glu", case, err))
+    assert err < TOL[dtype], f"GLU {case}: rel err {err:.2e}"
+    assert err_r < TOL_ROUNDED[dtype], f"GLU {case}: rel err vs rounded ref {err_r:.2e}"
+    return h
+
+
+def check_down(arrays, ref, h, slots, bits, gs, case, config=None):
+    y = K.down_matvec(h, arrays, slots, bits=bits, group_size=gs, dialect=DIALECT, config=config,
+                      init_value=float("nan"))
+    assert y.shape == (*slots.shape, arrays["down_proj.weight"].shape[1]) and y.dtype == h.dtype
+    out = _np(y)
+    assert np.isfinite(out).all(), "down output not fully written"
+    err = _rel(out, ref_down(ref, _np(h), np.array(slots)))
+    RESULTS.append(("down", case, err))
+    assert err < TOL[h.dtype], f"down {case}: rel err {err:.2e}"
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: kernels against float64
+
+
+SMALL = dict(hid=512, inter=256, n=6, topk=4)
+
+
+@needs_gpu
+@pytest.mark.parametrize("gs", [32, 64, 128])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: DNAME[d])
+def test_glu_down_small(dtype, bits, gs):
+    hid, inter, n, topk = SMALL["hid"], SMALL["inter"], SMALL["n"], SMALL["topk"]
+    seed = 17 * bits + gs + len(DNAME[dtype])
+    arrays = make_arrays(n, hid, inter, bits, gs, dtype, seed)
+    ref = RefPool(arrays, bits, gs)
+    rng = np.random.default_rng(seed)
+    for n_tok in (1, 3, 8):
+        case = dict(shape="small", dtype=DNAME[dtype], bits=bits, gs=gs, T=n_tok)
+        x = mx.random.normal((n_tok, hid)).astype(dtype)
+        slots = make_slots(rng, n_tok, topk, n)
+        check_glu(arrays, ref, x, slots, bits, gs, case)
+        h = mx.random.normal((n_tok, topk, inter)).astype(dtype)
+        check_down(arrays, ref, h, slots, bits, gs, case)
+
+
+@needs_gpu
+@pytest.mark.parametrize("bits", [4, 8])
+def test_launch_configs_and_ragged_rows(bits):
+    """Every launch shape computes the same function, also when rows do not fill the last
+    threadgroup (hid 384 / inter 192 are not multiples of the rows per threadgroup)."""
+    hid, inter, n, topk, gs = 384, 192, 5, 3, 64
+    arrays = make_arrays(n, hid, inter, bits, gs, mx.bfloat16, seed=bits)
+    ref = RefPool(arrays, bits, gs)
+    rng = np.random.default_rng(bits)
+    nch_h, nch_i = hid * bits // 128, inter * bits // 128
+    glu_cfgs = [dict(lpr=l, nw=w, rpw=r) for l in (1, 2, 4) if nch_h % l == 0
+                for w, r in ((1, 1), (2, 3), (8, 2))]
+    down_cfgs = [dict(lpr=l, nw=w, rpw=r, nr=k) for l in (1, 2) if nch_i % l == 0
+                 for w, r, k in ((1, 1, 1), (2, 2, 3), (4, 1, 4))]
+    for n_tok in (1, 3):
+        x = mx.random.normal((n_tok, hid)).astype(mx.bfloat16)
+        h = mx.random.normal((n_tok, topk, inter)).astype(mx.bfloat16)
+        slots = make_slots(rng, n_tok, topk, n)
+        for cfg in glu_cfgs:
+            check_glu(arrays, ref, x, slots, bits, gs,
+                      dict(shape="ragged", dtype="bf16", bits=bits, gs=gs, T=n_tok, cfg=cfg), cfg)
+        for cfg in down_cfgs:
+            check_down(arrays, ref, h, slots, bits, gs,
+                       dict(shape="ragged", dtype="bf16", bits=bits, gs=gs, T=n_tok, cfg=cfg), cfg)
+
+
+@needs_gpu
+@pytest.mark.parametrize("model", list(MODELS))
+def test_model_shapes(model):
+    hid, inter, topk = MODELS[model]
+    bits, gs, dtype = 4, 64, mx.bfloat16
+    n = topk + 2
+    arrays = make_arrays(n, hid, inter, bits, gs, dtype, seed=len(model))
+    ref = RefPool(arrays, bits, gs)
+    rng = np.random.default_rng(len(model))
+    for n_tok in (1, 3):
+        case = dict(shape=model, dtype="bf16", bits=bits, gs=gs, T=n_tok)
+        x = mx.random.normal((n_tok, hid)).astype(dtype)
+        slots = make_slots(rng, n_tok, topk, n)
+        h = check_glu(arrays, ref, x, slots, bits, gs, case)
+        check_down(arrays, ref, h, slots, bits, gs, case)
+
+
+@needs_gpu
+def test_mixed_dtypes_8bit_model_shape():
+    """fp32 activations with bf16 scales (checkpoint dtype differs from compute dtype), 8-bit."""
+    hid, inter, topk = MODELS["qwen3.5-397b-a17b"]
+    arrays = make_arrays(topk + 1, hid, inter, 8, 128, mx.bfloat16, seed=5)
+    ref = RefPool(arrays, 8, 128)
+    rng = np.random.default_rng(5)
+    x = mx.random.normal((2, hid))
+    slots = make_slots(rng, 2, topk, topk + 1)
+    case = dict(shape="397b-8bit-mixed", dtype="fp32", bits=8, gs=128, T=2)
+    h = check_glu(arrays, ref, x, slots, 8, 128, case)
+    check_down(arrays, ref, h, slots, 8, 128, case)
+
+
+def _strided(a: mx.array) -> mx.array:
+    """The same values as a view with inner stride 2 (forces the word-by-word load path)."""
+    return mx.stack([a, mx.zeros_like(a)], axis=-1).reshape(*a.shape[:-1], 2 * a.shape[-1])[..., ::2]
+
+
+@needs_gpu
+def test_pool_views_without_copies():
+    """Pools as strided views: blobs (ExpertPool.from_blobs), misaligned views, inner stride 2.
+    Same arithmetic in every path, so the results are bit-identical to a contiguous pool."""
+    hid, inter, n, topk, bits, gs = 512, 256, 5, 4, 4, 64
+    arrays = make_arrays(n, hid, inter, bits, gs, mx.bfloat16, seed=3)
+    names = sorted(arrays)
+    tensors = {k: ("U32" if arrays[k].dtype == mx.uint32 else "BF16", tuple(arrays[k].shape))
+               for k in names}
+    layout = ExpertLayout.from_tensors(tensors, Quantization(bits, gs))
+    blobs = np.zeros((n, layout.blob_size + 64), np.uint8)
+    shifted = np.zeros_like(blobs)
+    for c in layout.components:
+        a = arrays[c.name]
+        raw = np.array(a if a.dtype == mx.uint32 else a.view(mx.uint16)).view(np.uint8).reshape(n, -1)
+        blobs[:, c.offset:c.offset + c.nbytes] = raw
+        shifted[:, c.offset + 4:c.offset + 4 + c.nbytes] = raw
+    blob_pool = ExpertPool.from_blobs(mx.array(blobs[:, :layout.blob_size]), layout).arrays
+    mshift = mx.array(shifted)
+    misaligned = {c.name: mshift[:, c.offset + 4:c.offset + 4 + c.nbytes]
+                  .view(mx.uint32 if c.dtype == "U32" else mx.bfloat16).reshape(n, *c.shape)
+                  for c in layout.components}
+    strided = {k: _strided(v) for k, v in arrays.items()}
+    rng = np.random.default_rng(3)
+    x = mx.random.normal((3, hid)).astype(mx.bfloat16)
+    slots = make_slots(rng, 3, topk, n)
+    h0 = K.glu_matvec(x, arrays, slots, bits=bits, group_size=gs, dialect=DIALECT)
+    y0 = K.down_matvec(h0, arrays, slots, bits=bits, group_size=gs, dialect=DIALECT)
+    for label, pool in (("blobs", blob_pool), ("misaligned", misaligned), ("stride2", strided)):
+        h = K.glu_matvec(x, pool, slots, bits=bits, group_size=gs, dialect=DIALECT,
+                         init_value=float("nan"))
+        y = K.down_matvec(h0, pool, slots, bits=bits, group_size=gs, dialect=DIALECT,
+                          init_value=float("nan"))
+        assert mx.array_equal(h, h0).item(), label
+        assert mx.array_equal(y, y0).item(), label
+
+
+@needs_gpu
+@pytest.mark.parametrize("variant", ["plain", "shared", "gated"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: DNAME[d])
+def test_combine(dtype, variant):
+    rng = np.random.default_rng(len(variant))
+    for hid, topk in ((4096, 10), (7168, 8), (200, 3)):
+        for n_tok in (1, 3, 8):
+            res = mx.random.normal((n_tok, hid)).astype(dtype)
+            y = mx.random.normal((n_tok, topk, hid)).astype(dtype)
+            w = mx.array(rng.dirichlet(np.ones(topk), n_tok).astype(np.float32))
+            if dtype != mx.float32:
+                w = w.astype(dtype)
+            shared = mx.random.normal((n_tok, hid)).astype(dtype) if variant != "plain" else None
+            gate = mx.random.normal((n_tok, 1)).astype(dtype) if variant == "gated" else None
+            out = K.combine(res, y, w, shared, gate, dialect=DIALECT, init_value=float("nan"))
+            assert out.shape == res.shape and out.dtype == dtype
+            o = _np(out)
+            assert np.isfinite(o).all(), "combine output not fully written"
+            ref = _np(res) + np.einsum("tk,tkh->th", _np(w), _np(y))
+            if shared is not None:
+                s = _np(shared)
+                if gate is not None:
+                    s = s / (1.0 + np.exp(-_np(gate)))
+                ref = ref + s
+            err = _rel(o, ref)
+            RESULTS.append(("combine", dict(shape=f"{hid}x{topk}", variant=variant,
+                                            dtype=DNAME[dtype], T=n_tok), err))
+            assert err < TOL[dtype], f"combine {variant} {hid}: {err:.2e}"
+
+
+@needs_gpu
+@pytest.mark.parametrize("n_tok", [1, 3, 8])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: DNAME[d])
+def test_backend_matches_ops(dtype, n_tok):
+    hid, inter, topk = MODELS["qwen3-30b-a3b"]
+    n = 12
+    pool = ExpertPool(make_arrays(n, hid, inter, 4, 64, dtype, seed=n_tok), Quantization(4, 64))
+    rng = np.random.default_rng(n_tok)
+    x = mx.random.normal((1, n_tok, hid)).astype(dtype)
+    slots = make_slots(rng, n_tok, topk, n).reshape(1, n_tok, topk)
+    kb = K.KernelBackend(DIALECT, OpsBackend())
+    assert kb.route(x, slots, pool, SwiGLU()) is None
+    a = kb(x, slots, pool, SwiGLU())
+    b = OpsBackend()(x, slots, pool, SwiGLU())
+    assert a.shape == b.shape == (1, n_tok, topk, hid) and a.dtype == b.dtype == dtype
+    err = _rel(_np(a), _np(b))
+    RESULTS.append(("backend-vs-ops", dict(shape="qwen3-30b-a3b", dtype=DNAME[dtype], T=n_tok), err))
+    assert err < TOL_OPS[dtype], f"KernelBackend vs OpsBackend: {err:.2e}"
+
+
+@needs_gpu
+def test_backend_falls_back_on_gpu():
+    hid, inter, topk, n = 512, 256, 4, 8
+    pool = ExpertPool(make_arrays(n, hid, inter, 4, 64, mx.bfloat16), Quantization(4, 64))
+    kb = K.KernelBackend(DIALECT, OpsBackend())
+    x = mx.random.normal((1, 9, hid)).astype(mx.bfloat16)
+    slots = make_slots(np.random.default_rng(0), 9, topk, n).reshape(1, 9, topk)
+    assert "tokens" in kb.route(x, slots, pool, SwiGLU())
+    assert mx.array_equal(kb(x, slots, pool, SwiGLU()), OpsBackend()(x, slots, pool, SwiGLU())).item()
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU (run everywhere): sources, text assembly, routing
+
+
+def test_sources_load():
+    for name in K.SOURCE_FILES:
+        text = K.load_source(name)
+        assert len(text) > 100, name
+        assert name.endswith((".h", ".cuh", ".metal")), f"{name} would not ship as package data"
+    with pytest.raises(KeyError):
+        K.load_source("nope.h")
+
+
+_DIALECT_TOKENS = {
+    "cuda": ("threadIdx", "blockIdx", "__shfl", "__syncthreads", "__shared__", "__ldg", "__device__"),
+    "metal": ("simd_shuffle", "threadgroup_barrier", "thread_position_in", "threadgroup_position",
+              "simdgroup_index", "as_type", "device uint", "metal::"),
+}
+
+
+def _defined_names(text):
+    return set(re.findall(r"#define\s+(MF_[A-Z0-9_]+)", text)) | set(
+        re.findall(r"const int (MF_[A-Z0-9_]+)\s*=", text))
+
+
+@pytest.mark.parametrize("kind,variant", [("glu", "plain"), ("down", "plain"), ("combine", "plain"),
+                                          ("combine", "shared"), ("combine", "gated")])
+def test_kernel_text_assembly(kind, variant):
+    shared = K.shared_body(kind, variant)
+    common = K.load_source(K.COMMON)
+    for text in (shared, common):  # the shared text names no dialect
+        for tokens in _DIALECT_TOKENS.values():
+            for tok in tokens:
+                assert tok not in text, f"dialect token {tok!r} in the shared kernel text"
+    used = set(re.findall(r"\bMF_[A-Z0-9_]+", shared + common))
+    for dialect in K.DIALECTS:
+        header, body = K.kernel_text(kind, dialect, variant)
+        entry = K.load_source(K._ENTRY[dialect])
+        assert body == entry + shared  # what runs on CUDA is what ships for Metal
+        assert header.startswith(K.load_source(K._PRELUDE[dialect])) and header.endswith(common)
+        missing = used - _defined_names(header + body)
+        assert not missing, f"{dialect}: MF_ names used but not defined: {sorted(missing)}"
+        other = "metal" if dialect == "cuda" else "cuda"
+        for tok in _DIALECT_TOKENS[other]:
+            assert tok not in header + body, f"{other} token {tok!r} in the {dialect} text"
+    _, metal_body = K.kernel_text(kind, "metal", variant)
+    for attr in ("thread_position_in_threadgroup", "thread_index_in_simdgroup",
+                 "simdgroup_index_in_threadgroup", "threadgroup_position_in_grid"):
+        assert attr in metal_body  # MLX adds the attribute because the body names it
+    if kind in ("glu", "down"):
+        for name in K._INPUTS[kind][2:]:
+            assert f"{name}_strides" in shared  # pools are read through their strides
+        # the row loop appears twice: 16-byte loads, and word-by-word loads for strided/unaligned pools
+        assert shared.count("MF_LD(") == 2 * K.load_source(f"{kind}_rows.h").count("MF_LD(") + 2
+
+
+def test_kernel_names():
+    names = {K.kernel_name(k, d, v) for k, v in (("glu", "plain"), ("down", "plain"),
+                                               ("combine", "plain"), ("combine", "gated"))
+             for d in K.DIALECTS}
+    assert len(names) == 8
+    assert K.kernel_name("glu", "cuda") == K.kernel_name("glu", "cuda")
+    with pytest.raises(ValueError):
+        K.kernel_text("glu", "vulkan")
+
+
+def test_default_configs_cover_model_shapes():
+    for hid, inter, topk in MODELS.values():
+        for bits in (4, 8):
+            for n_tok in (1, 8):
+                g = K.default_config("glu", hid, inter, bits, n_tok * topk)
+                K._check_config("glu", g, hid, bits)
+                d = K.default_config("down", inter, hid, bits, n_tok * topk)
+                K._check_config("down", d, inter, bits)
+
+
+class _HalfSwiGLU(SwiGLU):
+    def __call__(self, x, gate):
+        return super().__call__(x, gate) * 0.5
+
+
+def _cpu_pool(bits=4, gs=64, hid=256, inter=128, n=6, bias=False):
+    with mx.stream(mx.cpu):
+        arrays = make_arrays(n, hid, inter, bits, gs, mx.float32, seed=bits)
+        if bias:
+            arrays["down_proj.bias"] = mx.random.normal((n, hid))
+    return ExpertPool(arrays, Quantization(bits, gs))
+
+
+def test_backend_routing_and_fallback_cpu():
+    kb = K.KernelBackend("cuda", OpsBackend())
+    ops = OpsBackend()
+    assert kb.name == "cuda"
+    rng = np.random.default_rng(0)
+    pool4 = _cpu_pool()
+    x1 = mx.random.normal((1, 1, 256))
+    s1 = make_slots(rng, 1, 4, 6).reshape(1, 1, 4)
+    x9 = mx.random.normal((1, 9, 256))
+    s9 = make_slots(rng, 9, 4, 6).reshape(1, 9, 4)
+    # covered: the kernels would take it where the backend exists
+    assert kb.route(x1, s1, pool4, SwiGLU(), assume_available=True) is None
+    with mx.stream(mx.cpu):
+        fc = ExpertPool({**{f"fc1.{k}": v for k, v in zip(("weight", "scales", "biases"),
+                                                         mx.quantize(mx.random.normal((6, 128, 256)), 64, 4))},
+                         **{f"fc2.{k}": v for k, v in zip(("weight", "scales", "biases"),
+                                                         mx.quantize(mx.random.normal((6, 256, 128)), 64, 4))}},
+                        Quantization(4, 64))
+    cases = [
+        ("tokens", x9, s9, pool4, SwiGLU()),
+        ("quantization", x1, s1, _cpu_pool(bits=3), SwiGLU()),
+        ("bias", x1, s1, _cpu_pool(bias=True), SwiGLU()),
+        ("SwiGLU", x1, s1, pool4, _HalfSwiGLU()),
+        ("gated", x1, s1, fc, nn.gelu),
+    ]
+    for why, x, s, pool, act in cases:
+        reason = kb.route(x, s, pool, act, assume_available=True)
+        assert reason is not None and why in reason, (why, reason)
+        with mx.stream(mx.cpu):
+            assert mx.array_equal(kb(x, s, pool, act), ops(x, s, pool, act)).item(), why
+    if DIALECT is None:  # here nothing is available: even covered calls fall back, exactly
+        assert "not available" in kb.route(x1, s1, pool4, SwiGLU())
+        assert mx.array_equal(kb(x1, s1, pool4, SwiGLU()), ops(x1, s1, pool4, SwiGLU())).item()
+
+
+def test_wrappers_validate_before_launch():
+    pool = _cpu_pool()
+    x = mx.random.normal((1, 256))
+    s = mx.array([[0, 1, 2, 3]], dtype=mx.int32)
+    with pytest.raises(ValueError):
+        K.glu_matvec(x, pool.arrays, s, bits=3, group_size=64, dialect="cuda")
+    with pytest.raises(ValueError):
+        K.glu_matvec(x, pool.arrays, s, bits=4, group_size=32, dialect="cuda")  # shapes say 64
+    with pytest.raises(ValueError):
+        K.glu_matvec(x, pool.arrays, s, bits=4, group_size=64, dialect="opencl")
+    with pytest.raises(ValueError):
+        K.down_matvec(mx.zeros((1, 3, 128)), pool.arrays, s, bits=4, group_size=64, dialect="cuda")
+    with pytest.raises(ValueError):
+        K.combine(mx.zeros((1, 8)), mx.zeros((1, 2, 8)), mx.zeros((1, 3)), dialect="cuda")
