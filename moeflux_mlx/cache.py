@@ -31,7 +31,7 @@ from .backends import MX_DTYPES, ExpertPool
 from .layout import ExpertLayout, ModelLayout
 from .stats import LayerStats
 from .store import ExpertStore  # or a prefetch.Prefetcher, which reads like one
-from .upload import host_view
+from .upload import device_slot_writes, host_staging, host_view
 
 log = logging.getLogger(__name__)
 
@@ -40,31 +40,65 @@ FILL_CHUNK_BYTES = 64 << 20
 
 
 class SlotPool:
-    """``n_slots`` expert slots of one layer in MLX memory, writable from the host."""
+    """``n_slots`` expert slots of one layer in MLX memory.
 
-    def __init__(self, layout: ExpertLayout, n_slots: int):
+    "host" writes copy into the pool's memory through a host view (Metal, CPU); "device" writes
+    go through a host-resident staging array and a GPU scatter (CUDA, see upload.py)."""
+
+    def __init__(self, layout: ExpertLayout, n_slots: int, device_writes: bool = False):
         self.layout, self.n_slots = layout, n_slots
-        raw = {c.name: mx.zeros((n_slots, c.nbytes), mx.uint8) for c in layout.components}
-        typed = {c.name: raw[c.name].view(MX_DTYPES[c.dtype]).reshape(n_slots, *c.shape)
-                 for c in layout.components}
-        mx.eval(list(raw.values()), list(typed.values()))  # typed views share raw's buffers
-        self.raw = raw
-        self.host = {name: host_view(a) for name, a in raw.items()}
-        self.pool = ExpertPool(typed, layout.quantization, layout.overrides)
+        self.raw = {c.name: mx.zeros((n_slots, c.nbytes), mx.uint8) for c in layout.components}
+        mx.eval(list(self.raw.values()))
+        self.device_writes = device_writes
+        self.host = None if device_writes else {n: host_view(a) for n, a in self.raw.items()}
+        self._staging: Optional[mx.array] = None
+        self._typed()
+
+    def _typed(self) -> None:
+        typed = {c.name: self.raw[c.name].view(MX_DTYPES[c.dtype]).reshape(self.n_slots, *c.shape)
+                 for c in self.layout.components}
+        if not self.device_writes:
+            mx.eval(list(typed.values()))  # views share raw's buffers, written from the host
+        self.pool = ExpertPool(typed, self.layout.quantization, self.layout.overrides)
 
     @property
     def nbytes(self) -> int:
         return self.n_slots * sum(c.nbytes for c in self.layout.components)
 
+    def read_buffer(self, n: int) -> Optional[np.ndarray]:
+        """Where to read ``n`` blobs for a device write (None: the reader's own buffer)."""
+        if not self.device_writes:
+            return None
+        if self._staging is None or self._staging.shape[0] < n:
+            self._staging = host_staging((n, self.layout.blob_size))
+            if self._staging is None:  # no CUDA runtime to advise: a plain array still works
+                self._staging = mx.zeros((n, self.layout.blob_size), mx.uint8, stream=mx.cpu)
+                mx.eval(self._staging)
+        return host_view(self._staging)[:n]
+
     def write(self, slots: np.ndarray, blobs: np.ndarray) -> None:
         """Copy ``blobs`` ``[n, blob_size]`` into ``slots``."""
+        if not self.device_writes:
+            for c in self.layout.components:
+                self.host[c.name][slots] = blobs[:, c.offset:c.offset + c.nbytes]
+            return
+        n = len(slots)
+        staged = self.read_buffer(n)
+        if blobs.ctypes.data != staged.ctypes.data:
+            staged[:] = blobs
+        src = self._staging[:n]
+        idx = mx.array(slots.astype(np.uint32))
+        self.pool = None  # drop the old typed views so the scatters can update in place
         for c in self.layout.components:
-            self.host[c.name][slots] = blobs[:, c.offset:c.offset + c.nbytes]
+            arr = self.raw[c.name]
+            arr[idx] = src[:, c.offset:c.offset + c.nbytes]
+        self._typed()
 
 
-def _read(store: ExpertStore, layer: int, experts: np.ndarray, stats: LayerStats) -> np.ndarray:
+def _read(store: ExpertStore, layer: int, experts: np.ndarray, stats: LayerStats,
+          out: Optional[np.ndarray] = None) -> np.ndarray:
     t0 = time.perf_counter()
-    blobs = store.read(layer, experts)
+    blobs = store.read(layer, experts, out)
     stats.io_s += time.perf_counter() - t0
     stats.experts_read += len(experts)
     stats.bytes_read += blobs.nbytes
@@ -96,9 +130,11 @@ class StagingCache:
         """Make ``experts`` (sorted, unique) resident; return their slots and the pool."""
         pool = self.pools.get(layer)
         if pool is None or pool.n_slots < len(experts):
-            pool = self.pools[layer] = SlotPool(self.store.layout(layer), len(experts))
+            pool = self.pools[layer] = SlotPool(self.store.layout(layer), len(experts),
+                                                device_slot_writes())
         slots = np.arange(len(experts))
-        _write(pool, slots, _read(self.store, layer, experts, stats), stats)
+        blobs = _read(self.store, layer, experts, stats, pool.read_buffer(len(experts)))
+        _write(pool, slots, blobs, stats)
         stats.experts_missed += len(experts)
         return slots.astype(np.uint32), pool.pool
 
@@ -155,7 +191,7 @@ class ExpertCache:
             return self.overflow.fetch(layer, experts, stats)
         pool = self.pools.get(layer)
         if pool is None:
-            pool = self.pools[layer] = SlotPool(layout, n_slots)
+            pool = self.pools[layer] = SlotPool(layout, n_slots, device_slot_writes())
             self.lru[layer] = _LRU(layout.num_experts, n_slots)
         if n_slots == layout.num_experts:
             self._fill_layer(layer, pool, stats)
@@ -170,7 +206,7 @@ class ExpertCache:
         if missing.size:
             # victims: free slots first, then the least recently used not needed now
             victims = np.argpartition(lru.last_used, missing.size - 1)[:missing.size]
-            blobs = _read(self.store, layer, missing, stats)
+            blobs = _read(self.store, layer, missing, stats, pool.read_buffer(missing.size))
             # free the victims before writing: an interrupted write must not leave a slot that
             # claims an expert whose bytes never arrived
             old = lru.expert_in[victims]
@@ -191,7 +227,10 @@ class ExpertCache:
         step = max(1, FILL_CHUNK_BYTES // pool.layout.blob_size)
         for e0 in range(0, n, step):
             experts = np.arange(e0, min(e0 + step, n))
-            _write(pool, experts, _read(self.store, layer, experts, stats), stats)
+            blobs = _read(self.store, layer, experts, stats, pool.read_buffer(len(experts)))
+            _write(pool, experts, blobs, stats)
+            if pool.device_writes:
+                mx.eval(list(pool.raw.values()))  # before the staging buffer is reused
         self.resident[layer] = pool.pool
 
     def close(self) -> None:

@@ -62,7 +62,7 @@ class Prefetcher:
                 self._pending[(layer, e)] = self._pool.submit(_read_one, src, e, buf)
                 self.stats.layer(layer).prefetch_issued += 1
 
-    def read(self, layer: int, experts: np.ndarray) -> np.ndarray:
+    def read(self, layer: int, experts: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
         """Blobs of ``experts``: prefetched ones from their buffers, the rest from the store.
 
         A prefetch is a hint: one that failed is read again directly, so a lasting fault
@@ -70,9 +70,10 @@ class Prefetcher:
         ready = {e: f for e in experts.tolist() if (f := self._pending.pop((layer, e), None))}
         self._discard(layer)  # predictions for this layer that the router did not pick
         if not ready:
-            return self.store.read(layer, experts)
+            return self.store.read(layer, experts, out)
         st = self.stats.layer(layer)
-        out = np.empty((len(experts), self.store.layout(layer).blob_size), np.uint8)
+        if out is None:
+            out = np.empty((len(experts), self.store.layout(layer).blob_size), np.uint8)
         rest = []
         try:
             for i, e in enumerate(experts.tolist()):

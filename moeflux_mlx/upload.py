@@ -2,9 +2,13 @@
 
 MLX arrays are writable through the buffer protocol. On Metal (unified memory) and the CPU
 backend that view *is* the memory the kernels read, so experts are read from disk straight into
-their pool slots. On CUDA, MLX allocates managed memory: host writes land pages on the host and
-the GPU would fault them over page by page; ``prefetch_to_device`` asks the driver to migrate the
-written range in bulk (``cudaMemPrefetchAsync``, through ctypes: no extra dependency).
+their pool slots ("host" slot writes).
+
+On CUDA, MLX allocates managed memory that lives on the GPU once a kernel touched it: a host
+write then faults each page back to the host and the next kernel faults it over again, about
+2 GB/s on an H100 (benchmarks/upload_probe.py). There experts are read into a staging array
+advised to stay in host memory and mapped for the GPU (``cudaMemAdvise``, through ctypes: no
+extra dependency), and a GPU scatter copies them into the slots ("device" slot writes).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import os
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -39,6 +45,7 @@ def _cudart():
         try:
             lib = ctypes.CDLL(name)
             lib.cudaMemPrefetchAsync.restype = ctypes.c_int
+            lib.cudaMemAdvise.restype = ctypes.c_int
             lib.cudaGetDevice.restype = ctypes.c_int
             major = name.split(".so.")[-1] if ".so." in name else ""
             return lib, major
@@ -69,6 +76,46 @@ def prefetch_to_device(view: np.ndarray) -> bool:
     if err:
         log.debug("cudaMemPrefetchAsync returned %d", err)
     return err == 0
+
+
+def _location(host: bool, dev: int) -> _MemLocation:
+    return _MemLocation(2, 0) if host else _MemLocation(1, dev)  # cudaMemLocationType Host / Device
+
+
+def host_staging(shape) -> Optional[mx.array]:
+    """A uint8 MLX array whose pages stay in host memory, readable by the GPU in place.
+
+    None where CUDA's runtime cannot be reached (the caller writes slots from the host then)."""
+    rt = _cudart()
+    if rt is None:
+        return None
+    lib, major = rt
+    arr = mx.zeros(shape, mx.uint8, stream=mx.cpu)  # first touched by the host
+    mx.eval(arr)
+    view = host_view(arr)
+    dev = ctypes.c_int(0)
+    lib.cudaGetDevice(ctypes.byref(dev))
+    ptr, n = ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(view.nbytes)
+    set_preferred, set_accessed_by = 3, 5  # cudaMemoryAdvise
+    if major == "12":
+        errs = [lib.cudaMemAdvise(ptr, n, set_preferred, ctypes.c_int(-1)),  # cudaCpuDeviceId
+                lib.cudaMemAdvise(ptr, n, set_accessed_by, dev)]
+    else:
+        errs = [lib.cudaMemAdvise(ptr, n, set_preferred, _location(True, 0)),
+                lib.cudaMemAdvise(ptr, n, set_accessed_by, _location(False, dev.value))]
+    if any(errs):
+        log.info("cudaMemAdvise returned %s: slot writes go through page faults", errs)
+        return None
+    return arr
+
+
+def device_slot_writes() -> bool:
+    """Whether slot writes should go through host staging and a GPU scatter (CUDA), rather than
+    straight into the pool's memory (Metal, CPU). ``MOEFLUX_SLOT_WRITES=host|device`` overrides."""
+    forced = os.environ.get("MOEFLUX_SLOT_WRITES")
+    if forced in ("host", "device"):
+        return forced == "device"
+    return mx.default_device() == mx.gpu and cuda_prefetch_available()
 
 
 def upload(arr: mx.array) -> mx.array:

@@ -99,3 +99,17 @@ def test_failed_prefetch_is_read_again_and_a_lasting_fault_reaches_the_caller(re
         monkeypatch.setattr(store, "read_exact", real)
         monkeypatch.undo()
         assert _greedy(model, prompt) == want
+
+
+@pytest.mark.parametrize("budget", [0, 0.25, "all"])
+def test_device_slot_writes_are_exact(reference, monkeypatch, budget):
+    """The CUDA write path (host staging + scatter into the pool), exercised on this backend."""
+    packed, prompt, want, total = reference
+    monkeypatch.setenv("MOEFLUX_SLOT_WRITES", "device")
+    model, _ = moeflux_mlx.load(packed, cache_budget=budget if budget == "all" else int(budget * total))
+    with model.moeflux as rt:
+        assert _greedy(model, prompt) == want
+        pools = getattr(rt.cache, "pools", {})
+        assert pools and all(p.device_writes and p.host is None for p in pools.values())
+        if budget == 0.25:
+            assert 0 < rt.stats.hit_rate < 1
