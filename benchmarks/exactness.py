@@ -36,12 +36,13 @@ def main(argv=None):
     p.add_argument("--size", default="tiny", choices=synth.SIZES)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--backends", default="ops,auto")
+    p.add_argument("--archs", default=",".join(synth.ARCHITECTURES))
     p.add_argument("--machine", default=None)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
     rows = []
     root = Path(tempfile.mkdtemp())
-    for arch in synth.ARCHITECTURES:
+    for arch in args.archs.split(","):
         src = synth.build_checkpoint(root / arch, arch, args.size, seed=1)
         packed = convert(src, root / f"{arch}-packed", progress=False)
         ref, tok = mlx_lm.load(str(src))
@@ -60,11 +61,13 @@ def main(argv=None):
                         # log-probs are comparable while the tokens agree
                         upto = n if first is None else first + 1
                         dlp = float(mx.abs(lps[:upto] - want[name][1][:upto]).max())
+                        ref_nan = bool(mx.isnan(want[name][1]).any())
                         rows.append((arch, rt.backend.name, str(budget), name, f"{same}/{n}",
-                                     "-" if first is None else str(first), f"{dlp:.3g}"))
+                                     "-" if first is None else str(first), f"{dlp:.3g}",
+                                     "NaN" if ref_nan else "finite"))
                         print(*rows[-1], flush=True)
     head = ("arch", "backend", "cache budget", "prompt", "tokens identical", "first divergence",
-            "max |d logprob|")
+            "max |d logprob|", "stock log-probs")
     table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     table += ["| " + " | ".join(r) + " |" for r in rows]
     machine = bench.machine_name()

@@ -11,7 +11,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from moeflux_mlx.upload import cuda_prefetch_available, host_view, upload
+from moeflux_mlx.upload import cuda_prefetch_available, host_staging, host_view, upload
 
 MB = 1 << 20
 
@@ -70,8 +70,23 @@ def main():
             mx.eval(r)
             assert r.item() == want
 
-        for name, fn in (("mx.array(numpy)", a), ("pool[i] = mx.array(numpy)", c),
-                         ("host view + prefetch", d), ("host view, page faults", e)):
+        staging = host_staging((1, size))
+        gpu_pool = mx.zeros((4, size), mx.uint8)
+        mx.eval(gpu_pool)
+        slot = mx.array([2], mx.uint32)
+
+        def f():  # what the cache does on CUDA: host-resident staging, scatter into the pool
+            np.copyto(host_view(staging)[0], src)
+            gpu_pool[slot] = staging
+            r = consume(gpu_pool[2])
+            mx.eval(r)
+            assert r.item() == want
+
+        paths = [("mx.array(numpy)", a), ("pool[i] = mx.array(numpy)", c),
+                 ("host view + prefetch", d), ("host view, page faults", e)]
+        if staging is not None:
+            paths.append(("host staging + GPU scatter", f))
+        for name, fn in paths:
             try:
                 t = timeit(fn)
                 rows.append((name, size // MB, t * 1e3, size / t / 1e9))
