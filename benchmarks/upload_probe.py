@@ -5,15 +5,34 @@ GPU migrates them on fault. This times the candidate paths for one layer's worth
 Prints a table; run on the GPU machine: python3 benchmarks/upload_probe.py
 """
 
+import ctypes
 import statistics
 import time
 
 import mlx.core as mx
 import numpy as np
 
-from moeflux_mlx.upload import cuda_prefetch_available, host_staging, host_view, upload
+from moeflux_mlx.upload import _MemLocation, _cudart, cuda_runtime_available, host_staging, host_view
 
 MB = 1 << 20
+
+
+def prefetch_to_device(view: np.ndarray) -> bool:
+    """cudaMemPrefetchAsync of the managed pages under ``view`` to the GPU (a hint)."""
+    lib, major = _cudart()
+    dev = ctypes.c_int(0)
+    lib.cudaGetDevice(ctypes.byref(dev))
+    ptr, n = ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(view.nbytes)
+    if major == "12":
+        return lib.cudaMemPrefetchAsync(ptr, n, dev, ctypes.c_void_p(0)) == 0
+    return lib.cudaMemPrefetchAsync(ptr, n, _MemLocation(1, dev.value), ctypes.c_uint(0),
+                                    ctypes.c_void_p(0)) == 0
+
+
+def upload(arr):
+    if cuda_runtime_available():
+        prefetch_to_device(host_view(arr))
+    return arr
 
 
 def consume(a):
@@ -34,7 +53,7 @@ def timeit(fn, reps=7):
 
 
 def main():
-    print("device", mx.default_device(), "prefetch available", cuda_prefetch_available())
+    print("device", mx.default_device(), "CUDA runtime reachable", cuda_runtime_available())
     rows = []
     for size in (8 * MB, 64 * MB, 256 * MB):
         src = np.random.randint(0, 255, size, dtype=np.uint8)

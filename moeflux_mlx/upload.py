@@ -55,27 +55,8 @@ def _cudart():
     return None
 
 
-def cuda_prefetch_available() -> bool:
+def cuda_runtime_available() -> bool:
     return _cudart() is not None
-
-
-def prefetch_to_device(view: np.ndarray) -> bool:
-    """Ask CUDA to migrate the managed pages under ``view`` to the GPU now. A hint only."""
-    rt = _cudart()
-    if rt is None or view.size == 0:
-        return False
-    lib, major = rt
-    dev = ctypes.c_int(0)
-    lib.cudaGetDevice(ctypes.byref(dev))
-    ptr, n = ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(view.nbytes)
-    if major == "12":
-        err = lib.cudaMemPrefetchAsync(ptr, n, dev, ctypes.c_void_p(0))
-    else:  # CUDA 13: (ptr, count, cudaMemLocation{Device, id}, flags, stream)
-        err = lib.cudaMemPrefetchAsync(ptr, n, _MemLocation(1, dev.value), ctypes.c_uint(0),
-                                       ctypes.c_void_p(0))
-    if err:
-        log.debug("cudaMemPrefetchAsync returned %d", err)
-    return err == 0
 
 
 def _location(host: bool, dev: int) -> _MemLocation:
@@ -115,11 +96,4 @@ def device_slot_writes() -> bool:
     forced = os.environ.get("MOEFLUX_SLOT_WRITES")
     if forced in ("host", "device"):
         return forced == "device"
-    return mx.default_device() == mx.gpu and cuda_prefetch_available()
-
-
-def upload(arr: mx.array) -> mx.array:
-    """Hint that ``arr`` (just written through a host view) is about to be read by the GPU."""
-    if cuda_prefetch_available():
-        prefetch_to_device(host_view(arr))
-    return arr
+    return mx.default_device() == mx.gpu and cuda_runtime_available()
