@@ -1,9 +1,10 @@
-"""Where routed experts live in MLX memory: a pool of slots per layer, written in place.
+"""Where routed experts live in MLX memory: a pool of slots per layer.
 
 A ``SlotPool`` holds, per component, one uint8 MLX array ``[n_slots, nbytes]`` plus typed views
-of it for the kernels (same buffer). Experts read from disk are copied into their slots through a
-writable host view of that memory, so no ``mx.array`` copy and no scatter is needed: on Metal
-and the CPU that view is the memory the kernels read; on CUDA it is managed memory.
+of it for the kernels. On Metal and the CPU, experts read from disk are copied into their slots
+through a writable host view of that very memory: no ``mx.array`` copy, no scatter. On CUDA,
+where that memory is managed and lives on the GPU, they are read into host-resident staging and
+scattered into the slots by the GPU (see upload.py for why and what it measured).
 
 ``StagingCache`` keeps nothing between calls: every call reads the routed experts into slots
 ``0..n-1``. ``ExpertCache`` keeps slots under a byte budget with LRU eviction; a layer whose
