@@ -29,17 +29,22 @@ def _is_count(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
+def open_readonly(path: Path, what: str) -> int:
+    """``os.open`` for reading, with errors that name the file and what it holds."""
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError as e:
+        raise ExpertFileError(f"{path}: missing ({what})") from e
+    except PermissionError as e:
+        raise ExpertFileError(f"{path}: not readable ({what}): {e.strerror}") from e
+    except OSError as e:
+        raise ExpertFileError(f"{path}: cannot open ({what}): {e}") from e
+
+
 def read_header(path: Path) -> Dict[str, TensorRange]:
     """Parse one safetensors header; validate every range against the file size."""
     path = Path(path)
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError as e:
-        raise ExpertFileError(f"{path}: missing safetensors file") from e
-    except PermissionError as e:
-        raise ExpertFileError(f"{path}: not readable ({e.strerror})") from e
-    except OSError as e:
-        raise ExpertFileError(f"{path}: cannot open ({e})") from e
+    f = os.fdopen(open_readonly(path, "safetensors file"), "rb")
     with f:
         try:
             size = os.fstat(f.fileno()).st_size

@@ -24,7 +24,7 @@ import psutil
 from .errors import (ExpertFileError, ExpertIndexError, ExpertReadError, LayoutError,
                      ModelClosedError)
 from .layout import ExpertLayout
-from .safetensors_index import TensorRange
+from .safetensors_index import TensorRange, open_readonly
 
 log = logging.getLogger(__name__)
 
@@ -70,17 +70,6 @@ def select_expert_io(total_expert_bytes: int, requested: Optional[str] = None) -
     return mode
 
 
-def _open(path: Path, what: str) -> int:
-    try:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError as e:
-        raise ExpertFileError(f"{path}: missing ({what})") from e
-    except PermissionError as e:
-        raise ExpertFileError(f"{path}: not readable ({what}): {e.strerror}") from e
-    except OSError as e:
-        raise ExpertFileError(f"{path}: cannot open ({what}): {e}") from e
-
-
 class _Mapping:
     """A read-only map of a whole file, closed explicitly (it holds a duplicate of the fd)."""
 
@@ -118,7 +107,7 @@ class PackedLayer:
 
     def __init__(self, layer: int, layout: ExpertLayout, path: Path):
         self.layer, self.layout, self.path = layer, layout, Path(path)
-        self.fd = _open(self.path, f"packed experts of layer {layer}")
+        self.fd = open_readonly(self.path, f"packed experts of layer {layer}")
         try:
             size = os.fstat(self.fd).st_size
         except OSError as e:
@@ -180,7 +169,7 @@ class SafetensorsLayer:
         try:
             for _, r in self.parts:
                 if r.file not in self.fds:
-                    self.fds[r.file] = _open(r.file, f"experts of layer {layer}")
+                    self.fds[r.file] = open_readonly(r.file, f"experts of layer {layer}")
                     size = os.fstat(self.fds[r.file]).st_size
                     if size < self._need[r.file]:
                         raise ExpertFileError(
