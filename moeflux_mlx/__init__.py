@@ -8,13 +8,13 @@ from .convert import convert, verify_conversion
 from .errors import (CheckpointError, ConvertError, ExpertFileError, ExpertIndexError, ExpertReadError,
                      LayoutError, ModelClosedError, MoefluxError, SafetensorsHeaderError,
                      UnsupportedQuantizationError)
-from .loader import StreamingRuntime, load, patch_model
+from .loader import StreamingRuntime, load, patch_model, reset_stats, stats
 from .store import select_expert_io
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "load", "patch_model", "convert", "verify_conversion", "select_expert_io",
+    "load", "patch_model", "stats", "reset_stats", "convert", "verify_conversion", "select_expert_io",
     "StreamingRuntime", "MoefluxError", "CheckpointError", "ConvertError", "SafetensorsHeaderError",
     "UnsupportedQuantizationError", "LayoutError", "ExpertFileError", "ExpertReadError",
     "ExpertIndexError", "ModelClosedError",

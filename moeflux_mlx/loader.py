@@ -182,3 +182,13 @@ def load(path, *, expert_io: Optional[str] = None, backend: Optional[str] = None
     model.moeflux = runtime
     weakref.finalize(model, runtime.close)  # e.g. mlx-lm's server dropping a model it swapped out
     return model, tokenizer
+
+
+def stats(model: nn.Module) -> dict:
+    """Streaming counters of a model from ``load``/``patch_model``: per layer and in total,
+    experts and bytes read, hit rate, time in sync / I/O / upload / building the computation."""
+    return model.moeflux.stats_dict()
+
+
+def reset_stats(model: nn.Module) -> None:
+    model.moeflux.reset_stats()

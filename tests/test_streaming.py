@@ -113,14 +113,17 @@ def test_patch_model_on_a_user_built_model(tiny_checkpoints, references):
 
 def test_mlx_lm_generate_and_stats_reset(tiny_checkpoints):
     src, packed = tiny_checkpoints["qwen3_5_moe"]
-    model, tokenizer = moeflux_mlx.load(packed)
+    model, tokenizer = moeflux_mlx.load(packed, cache_budget=0)
     ref_model, _ = mlx_lm.load(str(src))
     with model.moeflux as rt:
         text = mlx_lm.generate(model, tokenizer, "hello there", max_tokens=20)
         assert text == mlx_lm.generate(ref_model, tokenizer, "hello there", max_tokens=20)
-        assert rt.stats_dict()["total"]["calls"] > 0
-        rt.reset_stats()
-        assert rt.stats_dict()["total"]["calls"] == 0
+        st = moeflux_mlx.stats(model)
+        assert st["total"]["calls"] > 0 and st["total"]["bytes_read"] > 0
+        assert set(st["layers"]) == set(rt.layout.layers)
+        assert st["total"]["io_s"] > 0 and st["total"]["sync_s"] > 0
+        moeflux_mlx.reset_stats(model)
+        assert moeflux_mlx.stats(model)["total"]["calls"] == 0
     with pytest.raises(moeflux_mlx.ModelClosedError):
         model(mx.array([[1, 2]]))
 
