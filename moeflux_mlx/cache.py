@@ -19,6 +19,7 @@ in-order stream, so a pool never changes under a pending read.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -38,21 +39,49 @@ log = logging.getLogger(__name__)
 
 DEFAULT_RAM_FRACTION = 0.4  # of physical RAM, when no budget is given and the experts do not fit
 FILL_CHUNK_BYTES = 64 << 20
+STAGING_KEEP_BYTES = 256 << 20  # larger staging and staging pools (prefill) are not kept
+
+
+class DeviceStaging:
+    """Host-resident staging for device slot writes, one buffer for every layer of a cache.
+
+    Safe to share for the same reason a pool is safe to rewrite (module docstring). Requests
+    over ``STAGING_KEEP_BYTES`` (prefill) get a buffer of their own that is not kept."""
+
+    def __init__(self):
+        self._buf: Optional[mx.array] = None
+
+    def get(self, n: int, blob_size: int) -> mx.array:
+        nbytes = n * blob_size
+        if nbytes > STAGING_KEEP_BYTES:
+            return _host_array((n, blob_size))
+        if self._buf is None or self._buf.size < nbytes:
+            self._buf = _host_array((max(nbytes, 1),))
+        return self._buf[:nbytes].reshape(n, blob_size)
+
+
+def _host_array(shape) -> mx.array:
+    arr = host_staging(shape)
+    if arr is None:  # no CUDA runtime to advise: a plain array still works, only slower
+        arr = mx.zeros(shape, mx.uint8, stream=mx.cpu)
+        mx.eval(arr)
+    return arr
 
 
 class SlotPool:
-    """``n_slots`` expert slots of one layer in MLX memory.
+    """``n_slots`` expert slots of one layout in MLX memory.
 
     "host" writes copy into the pool's memory through a host view (Metal, CPU); "device" writes
-    go through a host-resident staging array and a GPU scatter (CUDA, see upload.py)."""
+    go through host-resident staging and a GPU scatter (CUDA, see upload.py)."""
 
-    def __init__(self, layout: ExpertLayout, n_slots: int, device_writes: bool = False):
+    def __init__(self, layout: ExpertLayout, n_slots: int, staging: Optional[DeviceStaging] = None):
         self.layout, self.n_slots = layout, n_slots
         self.raw = {c.name: mx.zeros((n_slots, c.nbytes), mx.uint8) for c in layout.components}
         mx.eval(list(self.raw.values()))
-        self.device_writes = device_writes
-        self.host = None if device_writes else {n: host_view(a) for n, a in self.raw.items()}
-        self._staging: Optional[mx.array] = None
+        self.staging = staging  # None: host writes
+        self.device_writes = staging is not None
+        self.host = None if self.device_writes else {n: host_view(a) for n, a in self.raw.items()}
+        self._staged: Optional[mx.array] = None
         self._typed()
 
     def _typed(self) -> None:
@@ -67,15 +96,11 @@ class SlotPool:
         return self.n_slots * sum(c.nbytes for c in self.layout.components)
 
     def read_buffer(self, n: int) -> Optional[np.ndarray]:
-        """Where to read ``n`` blobs for a device write (None: the reader's own buffer)."""
+        """Where to read ``n`` blobs for the next ``write`` (None: the reader's own buffer)."""
         if not self.device_writes:
             return None
-        if self._staging is None or self._staging.shape[0] < n:
-            self._staging = host_staging((n, self.layout.blob_size))
-            if self._staging is None:  # no CUDA runtime to advise: a plain array still works
-                self._staging = mx.zeros((n, self.layout.blob_size), mx.uint8, stream=mx.cpu)
-                mx.eval(self._staging)
-        return host_view(self._staging)[:n]
+        self._staged = self.staging.get(n, self.layout.blob_size)
+        return host_view(self._staged)
 
     def write(self, slots: np.ndarray, blobs: np.ndarray) -> None:
         """Copy ``blobs`` ``[n, blob_size]`` into ``slots``."""
@@ -84,10 +109,12 @@ class SlotPool:
                 self.host[c.name][slots] = blobs[:, c.offset:c.offset + c.nbytes]
             return
         n = len(slots)
-        staged = self.read_buffer(n)
-        if blobs.ctypes.data != staged.ctypes.data:
-            staged[:] = blobs
-        src = self._staging[:n]
+        src = self._staged
+        if src is None or src.shape[0] != n or host_view(src).ctypes.data != blobs.ctypes.data:
+            self.read_buffer(n)
+            src = self._staged
+            host_view(src)[:] = blobs
+        self._staged = None
         idx = mx.array(slots.astype(np.uint32))
         self.pool = None  # drop the old typed views so the scatters can update in place
         for c in self.layout.components:
@@ -113,13 +140,20 @@ def _write(pool: SlotPool, slots: np.ndarray, blobs: np.ndarray, stats: LayerSta
 
 
 class StagingCache:
-    """No residency: each call reads the routed experts into slots ``0..n-1``."""
+    """No residency: each call reads the routed experts into slots ``0..n-1``.
+
+    One pool per layout serves every layer (a layer's reads finish before the next layer
+    writes); a call needing more than ``STAGING_KEEP_BYTES`` of slots (prefill) gets a pool of
+    its own that is not kept."""
 
     name = "staging"
 
-    def __init__(self, store: ExpertStore):
+    def __init__(self, store: ExpertStore, staging: Optional[DeviceStaging] = None):
         self.store = store
-        self.pools: Dict[int, SlotPool] = {}
+        self.staging = staging if staging is not None else (
+            DeviceStaging() if device_slot_writes() else None)
+        self.pools: Dict[str, SlotPool] = {}  # by layout: layers of one shape share a pool
+        self._keys: Dict[int, str] = {}
 
     def resident_pool(self, layer: int) -> Optional[ExpertPool]:
         return None
@@ -127,12 +161,21 @@ class StagingCache:
     def absent(self, layer: int, experts: np.ndarray) -> np.ndarray:
         return experts
 
+    def _pool(self, layer: int, n: int) -> SlotPool:
+        layout = self.store.layout(layer)
+        if n * layout.blob_size > STAGING_KEEP_BYTES:
+            return SlotPool(layout, n, self.staging)
+        key = self._keys.get(layer)
+        if key is None:
+            key = self._keys[layer] = json.dumps(layout.to_dict(), sort_keys=True)
+        pool = self.pools.get(key)
+        if pool is None or pool.n_slots < n:
+            pool = self.pools[key] = SlotPool(layout, n, self.staging)
+        return pool
+
     def fetch(self, layer: int, experts: np.ndarray, stats: LayerStats) -> Tuple[np.ndarray, ExpertPool]:
         """Make ``experts`` (sorted, unique) resident; return their slots and the pool."""
-        pool = self.pools.get(layer)
-        if pool is None or pool.n_slots < len(experts):
-            pool = self.pools[layer] = SlotPool(self.store.layout(layer), len(experts),
-                                                device_slot_writes())
+        pool = self._pool(layer, len(experts))
         slots = np.arange(len(experts))
         blobs = _read(self.store, layer, experts, stats, pool.read_buffer(len(experts)))
         _write(pool, slots, blobs, stats)
@@ -168,7 +211,8 @@ class ExpertCache:
         self.pools: Dict[int, SlotPool] = {}  # allocated on a layer's first use
         self.lru: Dict[int, _LRU] = {}
         self.resident: Dict[int, ExpertPool] = {}
-        self.overflow = StagingCache(store)
+        self.staging = DeviceStaging() if device_slot_writes() else None
+        self.overflow = StagingCache(store, self.staging)
         self.tick = 0
 
     @property
@@ -192,7 +236,7 @@ class ExpertCache:
             return self.overflow.fetch(layer, experts, stats)
         pool = self.pools.get(layer)
         if pool is None:
-            pool = self.pools[layer] = SlotPool(layout, n_slots, device_slot_writes())
+            pool = self.pools[layer] = SlotPool(layout, n_slots, self.staging)
             self.lru[layer] = _LRU(layout.num_experts, n_slots)
         if n_slots == layout.num_experts:
             self._fill_layer(layer, pool, stats)

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 IO_MODES = ("auto", "mmap", "pread")
 RAM_FRACTION = 0.75
+STAGING_KEEP_BYTES = 256 << 20  # larger reads (prefill) get a buffer of their own, not kept
 _gate_logged = set()
 
 
@@ -226,7 +227,7 @@ class ExpertStore:
         self.io_mode = io_mode
         self.threads = threads
         self._pool: Optional[ThreadPoolExecutor] = None
-        self._staging: Dict[int, np.ndarray] = {}
+        self._staging: Optional[np.ndarray] = None
         self._lock = threading.Lock()
         self.closed = False
 
@@ -252,12 +253,18 @@ class ExpertStore:
                                    f"(the layer has {n} experts, 0..{n - 1})")
 
     def staging(self, layer: int, n: int) -> np.ndarray:
-        """A reusable ``[n, blob_size]`` host buffer for ``layer`` (grown on demand)."""
-        buf = self._staging.get(layer)
-        if buf is None or buf.shape[0] < n:
-            buf = np.empty((max(n, 1), self.layout(layer).blob_size), np.uint8)
-            self._staging[layer] = buf
-        return buf[:n]
+        """A ``[n, blob_size]`` host buffer for one read.
+
+        One buffer serves every layer: a layer's blobs are consumed (copied into MLX memory)
+        before the next layer reads. Requests over ``STAGING_KEEP_BYTES`` (a prefill routing
+        most experts) get a buffer of their own that is not kept."""
+        size = self.layout(layer).blob_size
+        nbytes = max(n, 1) * size
+        if nbytes > STAGING_KEEP_BYTES:
+            return np.empty((n, size), np.uint8)
+        if self._staging is None or self._staging.size < nbytes:
+            self._staging = np.empty(nbytes, np.uint8)
+        return self._staging[:n * size].reshape(n, size)
 
     def read(self, layer: int, experts: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
         """Blobs of ``experts`` (sorted, unique) of ``layer`` as ``[n, blob_size]`` uint8."""
@@ -286,8 +293,8 @@ class ExpertStore:
             # interrupted (KeyboardInterrupt, ...) while reads are in flight
             for f in futures:
                 f.cancel()
-            if staged and self._staging.get(layer) is not None:
-                del self._staging[layer]  # a straggler may still write into it: never reuse
+            if staged:
+                self._staging = None  # a straggler may still write into it: never reuse
             try:
                 wait(futures, timeout=10)
             except BaseException:
@@ -314,7 +321,7 @@ class ExpertStore:
             pool.shutdown(wait=True, cancel_futures=True)
         for src in self.layers.values():
             src.close()
-        self._staging.clear()
+        self._staging = None
 
     def __enter__(self):
         return self

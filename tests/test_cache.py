@@ -113,3 +113,34 @@ def test_device_slot_writes_are_exact(reference, monkeypatch, budget):
         assert pools and all(p.device_writes and p.host is None for p in pools.values())
         if budget == 0.25:
             assert 0 < rt.stats.hit_rate < 1
+
+
+@pytest.mark.parametrize("writes", ["host", "device"])
+def test_buffers_do_not_grow_per_layer_after_a_prefill(reference, monkeypatch, writes):
+    """A prefill routes most experts of every layer; what stays allocated afterwards must not be
+    per layer (with experts many times RAM that would be every expert again)."""
+    import moeflux_mlx.cache as cache
+    import moeflux_mlx.store as store
+
+    packed, prompt, want, _ = reference
+    monkeypatch.setenv("MOEFLUX_SLOT_WRITES", writes)
+    blob = next(iter(moeflux_mlx.store.open_store(packed)[1].layers.values())).blob_size
+    keep = 6 * blob  # more than one decode token's experts, fewer than a prefill's
+    monkeypatch.setattr(cache, "STAGING_KEEP_BYTES", keep)
+    monkeypatch.setattr(store, "STAGING_KEEP_BYTES", keep)
+    long_prompt = mx.concatenate([prompt] * 6)
+    model, _ = moeflux_mlx.load(packed, cache_budget=0, expert_io="pread")
+    with model.moeflux as rt:
+        ref_model, _ = mlx_lm.load(str(reference_src(packed)))
+        assert _greedy(model, long_prompt, 12) == _greedy(ref_model, long_prompt, 12)
+        assert len(rt.cache.pools) == 1  # every layer shares one pool (one layout)
+        assert all(p.nbytes <= keep for p in rt.cache.pools.values())
+        staged = rt.store._staging
+        assert staged is None or staged.nbytes <= keep
+        if writes == "device":
+            buf = rt.cache.staging._buf
+            assert buf is None or buf.size <= keep
+
+
+def reference_src(packed):
+    return packed.with_name(packed.name.replace("-packed", ""))
