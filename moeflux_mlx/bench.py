@@ -26,7 +26,7 @@ import mlx.core as mx
 import psutil
 from mlx_lm.generate import generate_step
 
-from .checkpoint import is_packed, packed_file, packed_layout, scan_checkpoint
+from .checkpoint import expert_layout, is_packed, packed_file, packed_layout, scan_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +77,7 @@ def read_bandwidth(path: Path, reads: int = 256, threads: int = 8, seed: int = 0
     """Bytes/s of random expert-sized reads: (cold, after dropping the page cache; warm, the
     same reads again from the page cache)."""
     files = expert_files(path)
-    if is_packed(path):
-        layout = packed_layout(path)
-        blob = next(iter(layout.layers.values())).blob_size
-    else:
-        blob = next(iter(scan_checkpoint(path).layout.layers.values())).blob_size
+    blob = next(iter(expert_layout(path).layers.values())).blob_size
     drop_page_cache(files)
     rng = random.Random(seed)
     jobs = []
@@ -150,7 +146,7 @@ def _run_moeflux(path, prompt, decode_tokens, io_mode, budget_fraction, cold, ba
                  backend=None, prefetch=False) -> Run:
     import moeflux_mlx
 
-    total = (packed_layout(path) if is_packed(path) else scan_checkpoint(path).layout).total_expert_bytes
+    total = expert_layout(path).total_expert_bytes
     budget = "all" if budget_fraction >= 1 else int(budget_fraction * total)
     model, _ = moeflux_mlx.load(path, expert_io=io_mode, cache_budget=budget, backend=backend,
                                 prefetch=prefetch)
@@ -191,7 +187,7 @@ def _run_moeflux(path, prompt, decode_tokens, io_mode, budget_fraction, cold, ba
 
 
 def _moe_layers(path: Path) -> int:
-    return len((packed_layout(path) if is_packed(path) else scan_checkpoint(path).layout).layers)
+    return len(expert_layout(path).layers)
 
 
 def sync_overhead(runs: List[Run], moe_layers: int) -> Optional[float]:

@@ -133,6 +133,11 @@ def packed_layout(path: Path) -> ModelLayout:
     return ModelLayout.load(Path(path) / PACKED_DIR / LAYOUT_FILE)
 
 
+def expert_layout(path: Path) -> ModelLayout:
+    """The expert layout of a converted directory or of a plain mlx-lm checkpoint."""
+    return packed_layout(path) if is_packed(path) else scan_checkpoint(path).layout
+
+
 def check_packed(path: Path) -> ModelLayout:
     """Open-time checks of a converted directory, headers and sizes only: config.json readable,
     its ``moeflux`` section consistent with ``layout.json``, the dense safetensors intact.

@@ -6,6 +6,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import moeflux_mlx
+from moeflux_mlx.checkpoint import expert_layout
 from moeflux_mlx.cache import ExpertCache, StagingCache, parse_budget
 from moeflux_mlx.errors import ExpertReadError
 
@@ -19,7 +20,7 @@ def reference(tiny_checkpoints):
     src, packed = tiny_checkpoints["deepseek_v3"]
     model, tokenizer = mlx_lm.load(str(src))
     prompt = mx.array(tokenizer.encode("the quick brown fox jumps over the lazy dog"))
-    total = moeflux_mlx.store.open_store(packed)[1].total_expert_bytes
+    total = expert_layout(packed).total_expert_bytes
     return packed, prompt, _greedy(model, prompt), total
 
 
@@ -124,7 +125,7 @@ def test_buffers_do_not_grow_per_layer_after_a_prefill(reference, monkeypatch, w
 
     packed, prompt, want, _ = reference
     monkeypatch.setenv("MOEFLUX_SLOT_WRITES", writes)
-    blob = next(iter(moeflux_mlx.store.open_store(packed)[1].layers.values())).blob_size
+    blob = next(iter(expert_layout(packed).layers.values())).blob_size
     keep = 6 * blob  # more than one decode token's experts, fewer than a prefill's
     monkeypatch.setattr(cache, "STAGING_KEEP_BYTES", keep)
     monkeypatch.setattr(store, "STAGING_KEEP_BYTES", keep)

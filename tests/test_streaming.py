@@ -13,6 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.models.switch_layers import SwitchGLU
 
 import moeflux_mlx
+from moeflux_mlx.checkpoint import expert_layout
 from moeflux_mlx import synth
 from moeflux_mlx.module import StreamingSwitchGLU
 from moeflux_mlx.store import select_expert_io
@@ -86,7 +87,7 @@ def test_equals_stock_mlx_lm(tiny_checkpoints, references, arch, source, expert_
 def test_cache_budgets_equal_stock(tiny_checkpoints, references, arch, budget):
     src, packed = tiny_checkpoints[arch]
     prompts, want = references[arch]
-    total = moeflux_mlx.store.open_store(packed)[1].total_expert_bytes
+    total = expert_layout(packed).total_expert_bytes
     budget_bytes = int(total * budget) if budget != "all" else "all"
     model, _ = moeflux_mlx.load(packed, cache_budget=budget_bytes)
     with model.moeflux as rt:
@@ -163,7 +164,7 @@ def test_load_memory_is_independent_of_expert_size(tmp_path):
     for n in (32, 128):
         src = synth.build_checkpoint(tmp_path / f"e{n}", "qwen3_moe", "small",
                                      overrides={"num_experts": n, "moe_intermediate_size": 512})
-        experts = moeflux_mlx.store.open_store(src)[1].total_expert_bytes
+        experts = expert_layout(src).total_expert_bytes
         out = subprocess.run([sys.executable, "-c", LOAD_RSS, str(src)], capture_output=True,
                              text=True, check=True)
         rss[n] = (*map(int, out.stdout.split()), experts)
@@ -180,7 +181,7 @@ def test_lazy_forward_passes_are_not_corrupted_by_later_reads(tiny_checkpoints, 
     """Slots are rewritten in place; a forward pass still pending must not see the new experts."""
     src, packed = tiny_checkpoints["qwen3_moe"]
     ref, _ = mlx_lm.load(str(src))
-    total = moeflux_mlx.store.open_store(packed)[1].total_expert_bytes
+    total = expert_layout(packed).total_expert_bytes
     model, _ = moeflux_mlx.load(packed, cache_budget=int(budget * total))
     x1, x2 = mx.array([[5, 17, 3, 99, 41]]), mx.array([[250, 7, 7, 120, 64, 33, 2]])
     with model.moeflux:
