@@ -36,6 +36,7 @@ class Run:
     name: str
     io_mode: str = "-"
     budget: str = "-"  # fraction of the experts held in the cache
+    lookup: str = "-"  # decode slot lookup: "device" (GPU table, host only on misses), "host" (sync)
     cold: bool = False
     prompt_tokens: int = 0
     prompt_tps: float = 0.0
@@ -107,7 +108,7 @@ def read_bandwidth(path: Path, reads: int = 256, threads: int = 8, seed: int = 0
 def _time_generation(model, prompt: mx.array, decode_tokens: int, on_first=None, each=None):
     """Greedy decode; returns (prompt_tps, decode_tps, tokens, decode seconds). ``on_first`` runs
     after the first token (end of prefill), before decode timing starts; ``each`` after every
-    token."""
+    token, and its time is not counted."""
     mx.synchronize()
     t0 = time.perf_counter()
     gen = generate_step(prompt, model, max_tokens=decode_tokens + 1)
@@ -117,13 +118,16 @@ def _time_generation(model, prompt: mx.array, decode_tokens: int, on_first=None,
     if on_first:
         on_first()
     t2 = time.perf_counter()
+    excluded = 0.0
     for tok, _ in gen:
         tokens.append(int(tok))
         if each:
+            t = time.perf_counter()
             each()
+            excluded += time.perf_counter() - t
     mx.synchronize()
-    t3 = time.perf_counter()
-    return prompt.size / (t1 - t0), (len(tokens) - 1) / (t3 - t2), tokens, t3 - t2
+    decode_s = time.perf_counter() - t2 - excluded
+    return prompt.size / (t1 - t0), (len(tokens) - 1) / decode_s, tokens, decode_s
 
 
 def _run_stock(path, prompt, decode_tokens) -> Run:
@@ -143,13 +147,13 @@ def _run_stock(path, prompt, decode_tokens) -> Run:
 
 
 def _run_moeflux(path, prompt, decode_tokens, io_mode, budget_fraction, cold, bandwidth,
-                 backend=None, prefetch=False) -> Run:
+                 backend=None, prefetch=False, device_table=None) -> Run:
     import moeflux_mlx
 
     total = expert_layout(path).total_expert_bytes
     budget = "all" if budget_fraction >= 1 else int(budget_fraction * total)
     model, _ = moeflux_mlx.load(path, expert_io=io_mode, cache_budget=budget, backend=backend,
-                                prefetch=prefetch)
+                                prefetch=prefetch, device_table=device_table)
     rt = model.moeflux
     try:
         _time_generation(model, prompt[:8], 4)  # warm-up: kernels, allocator, resident fills
@@ -165,8 +169,10 @@ def _run_moeflux(path, prompt, decode_tokens, io_mode, budget_fraction, cold, ba
                                                         on_first=rt.reset_stats, each=each)
         t = rt.stats.total()
         n = max(len(tokens) - 1, 1)
+        table = getattr(rt.cache, "control", None) is not None
+        lookup = "-" if t.calls == t.unsynced_calls and not table else ("device" if table else "host")
         run = Run(f"moeflux {rt.backend.name}" + (" +prefetch" if prefetch else ""), io_mode=rt.store.io_mode,
-                  budget=f"{budget_fraction:.0%}", cold=cold, prompt_tokens=prompt.size,
+                  budget=f"{budget_fraction:.0%}", lookup=lookup, cold=cold, prompt_tokens=prompt.size,
                   prompt_tps=ptps, decode_tokens=n, decode_tps=dtps,
                   experts_read_per_token=t.experts_read / n, mb_read_per_token=t.bytes_read / n / 1e6,
                   hit_rate=rt.stats.hit_rate if t.experts_routed else None,
@@ -190,13 +196,29 @@ def _moe_layers(path: Path) -> int:
     return len(expert_layout(path).layers)
 
 
-def sync_overhead(runs: List[Run], moe_layers: int) -> Optional[float]:
-    """ms per MoE layer that the host sync path costs: the 99%-budget run (nearly all hits, one
-    sync per layer) against the 100% run (no syncs), same I/O mode."""
-    by = {(r.io_mode, r.budget): r for r in runs if not r.name.endswith("+prefetch")}
-    deltas = [1e3 * (1 / by[(io, "99%")].decode_tps - 1 / by[(io, "100%")].decode_tps) / moe_layers
-              for io, b in by if b == "100%" and (io, "99%") in by]
+def sync_overhead(runs: List[Run], moe_layers: int, lookup: str = "host") -> Optional[float]:
+    """ms per MoE layer that a layer's slot lookup costs: the 99%-budget run (nearly all hits;
+    ``host``: one sync per layer, ``device``: the GPU table) against the 100% run (every expert
+    resident, nothing to look up), same I/O mode."""
+    by = {(r.io_mode, r.budget, r.lookup): r for r in runs if not r.name.endswith("+prefetch")}
+    deltas = [1e3 * (1 / by[(io, "99%", lookup)].decode_tps - 1 / r.decode_tps) / moe_layers
+              for (io, b, _), r in by.items() if b == "100%" and (io, "99%", lookup) in by]
     return min(deltas) if deltas else None
+
+
+def _paired_resident(path, stock_path, prompt, decode_tokens, io_mode, backend, n) -> dict:
+    """Stock, then moeflux with every expert resident, ``n`` times: decode tok/s of each, and the
+    median of the per-pair ratios."""
+    import statistics
+
+    pairs = []
+    for _ in range(n):
+        s = _run_stock(stock_path, prompt, decode_tokens).decode_tps
+        m = _run_moeflux(path, prompt, decode_tokens, io_mode, 1.0, cold=False, bandwidth=None,
+                         backend=backend).decode_tps
+        pairs.append((s, m))
+    return {"stock_tps": [p[0] for p in pairs], "moeflux_tps": [p[1] for p in pairs],
+            "median_ratio": statistics.median(m / s for s, m in pairs)}
 
 
 def fits_for_stock(path: Path) -> bool:
@@ -207,8 +229,13 @@ def fits_for_stock(path: Path) -> bool:
 
 def run_benchmark(path, *, budgets=(1.0, 0.5, 0.25, 0.0), io_modes=("mmap", "pread"),
                   prompt_tokens=128, decode_tokens=64, stock=True, stock_path=None,
-                  backend=None, prefetch=(False,), seed=0) -> dict:
-    """Run every configuration and return a result dict (see ``write_results``)."""
+                  backend=None, prefetch=(False,), seed=0, repeats=1) -> dict:
+    """Run every configuration and return a result dict (see ``write_results``).
+
+    Where the device-side table is available, the 99% budget also runs with a host sync per
+    layer, for the comparison. ``repeats`` > 1 runs stock and the all-resident configuration
+    that many more times, alternating, for medians that see through run-to-run noise."""
+    from . import device_table
     path = Path(path)
     mx.random.seed(seed)
     prompt = mx.random.randint(0, 256, (prompt_tokens,)).astype(mx.uint32)
@@ -225,12 +252,20 @@ def run_benchmark(path, *, budgets=(1.0, 0.5, 0.25, 0.0), io_modes=("mmap", "pre
             for pf in prefetch if frac < 1 else (False,):
                 runs.append(_run_moeflux(path, prompt, decode_tokens, io_mode, frac, cold=frac < 1,
                                          bandwidth=bandwidth, backend=backend, prefetch=pf))
+            if round(frac, 2) == 0.99 and device_table.enabled():
+                runs.append(_run_moeflux(path, prompt, decode_tokens, io_mode, frac, cold=True,
+                                         bandwidth=bandwidth, backend=backend, device_table=False))
     ref = runs[0] if runs and runs[0].name.startswith("stock") else None
     for r in runs:
         if ref is not None:
             r.ratio_to_stock = r.decode_tps / ref.decode_tps
+    paired = _paired_resident(path, stock_path, prompt, decode_tokens, io_modes[0], backend,
+                              repeats - 1) if ref is not None and repeats > 1 else None
+    layers = _moe_layers(path)
     return {
-        "sync_overhead_ms_per_layer": sync_overhead(runs, _moe_layers(path)),
+        "sync_overhead_ms_per_layer": sync_overhead(runs, layers),
+        "device_lookup_overhead_ms_per_layer": sync_overhead(runs, layers, "device"),
+        "paired_resident": paired,
         "model": str(path),
         "machine": machine_name(),
         "mlx": mx.__version__,
@@ -258,6 +293,7 @@ def machine_name() -> str:
 
 
 COLUMNS = [("name", "config", "{}"), ("io_mode", "io", "{}"), ("budget", "cache", "{}"),
+           ("lookup", "lookup", "{}"),
            ("prompt_tps", "prompt tok/s", "{:.1f}"), ("decode_tps", "decode tok/s", "{:.2f}"),
            ("ratio_to_stock", "x stock", "{:.2f}"), ("mb_read_per_token", "MB read/tok", "{:.1f}"),
            ("hit_rate", "hit", "{:.0%}"), ("prefetch_hits_per_token", "prefetched/tok", "{:.1f}"),
@@ -276,6 +312,22 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def summary_lines(result: dict) -> List[str]:
+    out = []
+    for key, what in (("sync_overhead_ms_per_layer", "host sync"),
+                      ("device_lookup_overhead_ms_per_layer", "device-side table lookup")):
+        if result.get(key) is not None:
+            out.append(f"Slot lookup overhead per MoE layer, {what} (99% budget, nearly all "
+                       f"hits, vs 100%, nothing to look up): {result[key]:.3f} ms")
+    paired = result.get("paired_resident")
+    if paired:
+        out.append("All experts resident vs stock, alternating runs: stock "
+                   + ", ".join(f"{v:.0f}" for v in paired["stock_tps"]) + " tok/s; moeflux "
+                   + ", ".join(f"{v:.0f}" for v in paired["moeflux_tps"])
+                   + f" tok/s; median ratio {paired['median_ratio']:.2f}x")
+    return out
+
+
 def write_results(result: dict, out_dir: Path, stem: str) -> List[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -289,9 +341,7 @@ def write_results(result: dict, out_dir: Path, stem: str) -> List[Path]:
           "Budgets below 100% run cold: pread drops the page cache after every token (as if the "
           "experts were many times RAM); mmap only before the run (mapped pages cannot be dropped).", "",
           format_table(result), ""]
-    if result.get("sync_overhead_ms_per_layer") is not None:
-        md.append(f"Host-sync overhead per MoE layer (99% budget, nearly all hits, vs 100%, no "
-                  f"syncs): {result['sync_overhead_ms_per_layer']:.3f} ms.")
+    md += [line + "." for line in summary_lines(result)]
     if result["tokens_identical_to_stock"] is not None:
         same = result["tokens_identical_to_stock"]
         md.append(f"Greedy tokens identical to stock mlx-lm: {sum(same.values())}/{len(same)} runs.")
@@ -344,6 +394,9 @@ def add_args(p) -> None:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--bench-backend", default=None, help="expert backend (default: auto)")
     p.add_argument("--no-stock", action="store_true", help="skip stock mlx-lm")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run stock and the all-resident configuration this many times, "
+                        "alternating, and report the median ratio (run-to-run noise)")
     p.add_argument("--machine", default=None, help="machine label for the results file name")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
 
@@ -362,11 +415,11 @@ def run_cli(args) -> int:
     result = run_benchmark(
         model, budgets=[float(b) for b in args.budgets.split(",")], io_modes=args.io.split(","),
         prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
-        stock=not args.no_stock, backend=args.bench_backend,
+        stock=not args.no_stock, backend=args.bench_backend, repeats=args.repeats,
         prefetch={"off": (False,), "on": (True,), "both": (False, True)}[args.prefetch])
     print(format_table(result))
-    if result.get("sync_overhead_ms_per_layer") is not None:
-        print(f"host-sync overhead per MoE layer: {result['sync_overhead_ms_per_layer']:.3f} ms")
+    for line in summary_lines(result):
+        print(line)
     gpu = result["machine"].split(",")[0] if "," in result["machine"] else ""
     machine = args.machine or (gpu.split()[-1].lower() if gpu else f"cpu{psutil.cpu_count()}")
     for f in write_results(result, args.out, f"{datetime.date.today()}-{machine}-decode"):

@@ -19,6 +19,7 @@ in-order stream, so a pool never changes under a pending read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -29,13 +30,16 @@ import mlx.core as mx
 import numpy as np
 import psutil
 
+from . import device_table
 from .backends import MX_DTYPES, ExpertPool
+from .errors import ExpertReadError
 from .layout import ExpertLayout, ModelLayout
 from .stats import LayerStats
 from .store import ExpertStore  # or a prefetch.Prefetcher, which reads like one
-from .upload import device_slot_writes, host_staging, host_view
+from .upload import device_slot_writes, host_array, host_view
 
 log = logging.getLogger(__name__)
+_NO_LOCK = contextlib.nullcontext()
 
 DEFAULT_RAM_FRACTION = 0.4  # of physical RAM, when no budget is given and the experts do not fit
 FILL_CHUNK_BYTES = 64 << 20
@@ -54,18 +58,10 @@ class DeviceStaging:
     def get(self, n: int, blob_size: int) -> mx.array:
         nbytes = n * blob_size
         if nbytes > STAGING_KEEP_BYTES:
-            return _host_array((n, blob_size))
+            return host_array((n, blob_size))
         if self._buf is None or self._buf.size < nbytes:
-            self._buf = _host_array((max(nbytes, 1),))
+            self._buf = host_array((max(nbytes, 1),))
         return self._buf[:nbytes].reshape(n, blob_size)
-
-
-def _host_array(shape) -> mx.array:
-    arr = host_staging(shape)
-    if arr is None:  # no CUDA runtime to advise: a plain array still works, only slower
-        arr = mx.zeros(shape, mx.uint8, stream=mx.cpu)
-        mx.eval(arr)
-    return arr
 
 
 class SlotPool:
@@ -161,6 +157,15 @@ class StagingCache:
     def absent(self, layer: int, experts: np.ndarray) -> np.ndarray:
         return experts
 
+    def can_resolve(self, layer: int, indices: mx.array) -> bool:
+        return False  # nothing stays resident to look up: every call syncs and reads
+
+    def check(self) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
     def _pool(self, layer: int, n: int) -> SlotPool:
         layout = self.store.layout(layer)
         if n * layout.blob_size > STAGING_KEEP_BYTES:
@@ -187,20 +192,57 @@ class StagingCache:
 
 
 class _LRU:
-    """Slot bookkeeping of one layer."""
+    """Slot bookkeeping of one layer. With the device-side table, ``slot_of``, ``last_used``
+    and the clock are views into its control block, shared with the GPU."""
 
-    def __init__(self, num_experts: int, n_slots: int):
-        self.slot_of = np.full(num_experts, -1, np.int64)  # expert -> slot
-        self.expert_in = np.full(n_slots, -1, np.int64)  # slot -> expert
-        self.last_used = np.full(n_slots, -1, np.int64)  # -1: free
+    def __init__(self, num_experts: int, n_slots: int, table=None, clock: Optional[np.ndarray] = None):
+        self.slot_of = table.slot_of if table is not None else np.full(num_experts, -1, np.int64)
+        self.last_used = table.last_used if table is not None else np.full(n_slots, -1, np.int64)
+        self.expert_in = np.full(n_slots, -1, np.int64)  # slot -> expert (only the host needs it)
+        self.clock = clock if clock is not None else np.zeros(1, np.int64)  # one tick per call
+
+    def admit(self, experts: np.ndarray, tick: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Mark the resident ones used; pick and free a victim slot for each missing one (free
+        slots first, then the least recently used not needed now). Returns (missing, victims).
+
+        Victims are freed before their new bytes are written: an interrupted write must not
+        leave a slot that claims an expert whose bytes never arrived."""
+        slots = self.slot_of[experts]
+        hit = slots >= 0
+        self.last_used[slots[hit]] = tick
+        missing = experts[~hit]
+        if not missing.size:
+            return missing, slots[:0]
+        victims = np.argpartition(self.last_used, missing.size - 1)[:missing.size]
+        old = self.expert_in[victims]
+        self.slot_of[old[old >= 0]] = -1
+        self.expert_in[victims] = -1
+        self.last_used[victims] = -1
+        return missing, victims
+
+    def assign(self, missing: np.ndarray, victims: np.ndarray, tick: int) -> None:
+        self.slot_of[missing] = victims
+        self.expert_in[victims] = missing
+        self.last_used[victims] = tick
+
+    def release(self, experts: np.ndarray) -> None:
+        slots = self.slot_of[experts]
+        slots = slots[slots >= 0]
+        self.slot_of[experts] = -1
+        self.expert_in[slots] = -1
+        self.last_used[slots] = -1
 
 
 class ExpertCache:
-    """Slot pools under a byte budget, split over layers by their size; LRU eviction."""
+    """Slot pools under a byte budget, split over layers by their size; LRU eviction.
+
+    With ``use_table`` (CUDA, see device_table.py), decode calls on partially cached layers
+    look their slots up on the GPU and only the GPU waits, on misses; other calls sync."""
 
     name = "lru"
 
-    def __init__(self, store: ExpertStore, layout: ModelLayout, budget_bytes: int):
+    def __init__(self, store: ExpertStore, layout: ModelLayout, budget_bytes: int,
+                 use_table: bool = False):
         self.store = store
         self.budget_bytes = budget_bytes
         total = layout.total_expert_bytes
@@ -213,7 +255,16 @@ class ExpertCache:
         self.resident: Dict[int, ExpertPool] = {}
         self.staging = DeviceStaging() if device_slot_writes() else None
         self.overflow = StagingCache(store, self.staging)
-        self.tick = 0
+        self.control: Optional[device_table.ControlBlock] = None
+        self.service: Optional[device_table.MissService] = None
+        partial = {i: (layout.layers[i].num_experts, n) for i, n in self.n_slots.items()
+                   if 0 < n < layout.layers[i].num_experts}
+        if use_table and partial:
+            self.control = device_table.ControlBlock(partial)
+            self.service = device_table.MissService(self.control, self._serve)
+        self._table_staging: Dict[int, mx.array] = {}  # blob size -> rows of one call's misses
+        self._layer_stats: Dict[int, LayerStats] = {}
+        self._poisoned: list = []  # (layer, experts) whose slots hold NaN bytes after a failed read
 
     @property
     def capacity_bytes(self) -> int:
@@ -229,42 +280,108 @@ class ExpertCache:
         lru = self.lru.get(layer)
         return experts if lru is None else experts[lru.slot_of[experts] < 0]
 
+    def _layer(self, layer: int) -> Tuple[SlotPool, _LRU]:
+        pool = self.pools.get(layer)
+        if pool is None:
+            n_slots, layout = self.n_slots[layer], self.store.layout(layer)
+            pool = self.pools[layer] = SlotPool(layout, n_slots, self.staging)
+            table = self.control.layers.get(layer) if self.control is not None else None
+            clock = self.control.ticks[table.index:table.index + 1] if table is not None else None
+            self.lru[layer] = _LRU(layout.num_experts, n_slots, table, clock)
+        return pool, self.lru[layer]
+
     def fetch(self, layer: int, experts: np.ndarray, stats: LayerStats) -> Tuple[np.ndarray, ExpertPool]:
         n_slots, layout = self.n_slots[layer], self.store.layout(layer)
         if len(experts) > n_slots:
             # more experts than slots (a long prefill on a small budget): stage them uncached
             return self.overflow.fetch(layer, experts, stats)
-        pool = self.pools.get(layer)
-        if pool is None:
-            pool = self.pools[layer] = SlotPool(layout, n_slots, self.staging)
-            self.lru[layer] = _LRU(layout.num_experts, n_slots)
+        pool, lru = self._layer(layer)
         if n_slots == layout.num_experts:
             self._fill_layer(layer, pool, stats)
             stats.experts_missed += len(experts)
             return experts.astype(np.uint32), pool.pool
-        lru = self.lru[layer]
-        self.tick += 1
-        slots = lru.slot_of[experts]
-        hit = slots >= 0
-        lru.last_used[slots[hit]] = self.tick
-        missing = experts[~hit]
-        if missing.size:
-            # victims: free slots first, then the least recently used not needed now
-            victims = np.argpartition(lru.last_used, missing.size - 1)[:missing.size]
-            blobs = _read(self.store, layer, missing, stats, pool.read_buffer(missing.size))
-            # free the victims before writing: an interrupted write must not leave a slot that
-            # claims an expert whose bytes never arrived
-            old = lru.expert_in[victims]
-            lru.slot_of[old[old >= 0]] = -1
-            lru.expert_in[victims] = -1
-            lru.last_used[victims] = -1
-            _write(pool, victims, blobs, stats)
-            lru.slot_of[missing] = victims
-            lru.expert_in[victims] = missing
-            lru.last_used[victims] = self.tick
+        with self._table_lock():
+            tick = self._tick(layer, lru)
+            missing, victims = lru.admit(experts, tick)
+            if missing.size:
+                blobs = _read(self.store, layer, missing, stats, pool.read_buffer(missing.size))
+                _write(pool, victims, blobs, stats)
+                lru.assign(missing, victims, tick)
+                stats.experts_missed += missing.size
             slots = lru.slot_of[experts]
-            stats.experts_missed += missing.size
         return slots.astype(np.uint32), pool.pool
+
+    def _tick(self, layer: int, lru: _LRU) -> int:
+        lru.clock[0] += 1
+        if self.service is not None and layer in self.control.layers:
+            self.service.enqueued(layer)  # a host-side call counts like a GPU one
+        return int(lru.clock[0])
+
+    def _table_lock(self):
+        return self.service._lock if self.service is not None else _NO_LOCK
+
+    # -- the device-side table (decode on CUDA) ---------------------------------------------
+
+    def can_resolve(self, layer: int, indices: mx.array) -> bool:
+        if self.control is None or layer not in self.control.layers:
+            return False
+        return indices.size == indices.shape[-1] and device_table.fits(indices.size, self.n_slots[layer])
+
+    def resolve(self, layer: int, indices: mx.array, stats: LayerStats) -> Tuple[mx.array, ExpertPool]:
+        """Lazy slots of one token's experts; misses are served while the GPU waits."""
+        pool, _ = self._layer(layer)
+        self._layer_stats[layer] = stats
+        layout = pool.layout
+        staging = self._table_staging.get(layout.blob_size)
+        if staging is None:
+            rows = device_table.staging_rows(indices.shape[-1])
+            staging = self._table_staging[layout.blob_size] = host_array((rows, layout.blob_size))
+        slots = device_table.resolve(self.control, layer, indices, pool.raw, layout, staging)
+        self.service.enqueued(layer)
+        return slots, pool.pool
+
+    def _serve(self, layer: int, experts: np.ndarray) -> None:
+        """The miss service's work for one request (runs on its thread, the GPU waiting)."""
+        t = self.control.layers[layer]
+        lru = self.lru[layer]
+        stats = self._layer_stats[layer]
+        tick = int(lru.clock[0]) + 1  # the waiting call's tick; the GPU stores it when done
+        missing, victims = lru.admit(experts, tick)
+        n = missing.size
+        staging = host_view(self._table_staging[self.store.layout(layer).blob_size])
+        if n > staging.shape[0]:
+            raise ExpertReadError(f"layer {layer}: {n} missed experts in one call, staging "
+                                  f"holds {staging.shape[0]}")
+        try:
+            t.header[device_table.H_ERR] = 0
+            _read(self.store, layer, missing, stats, staging[:n])
+            stats.experts_missed += n
+        except BaseException:
+            t.header[device_table.H_ERR] = 1  # fill writes NaN bytes into these slots
+            self._poisoned.append((layer, missing))
+            raise
+        finally:
+            lru.assign(missing, victims, tick)
+            t.copy_src[:n] = np.arange(n)
+            t.copy_dst[:n] = victims
+            t.header[device_table.H_NCOPY] = n
+
+    def check(self) -> None:
+        """Serve pending misses from this thread, and raise what the service ran into."""
+        if self.service is None:
+            return
+        self.service.poll()
+        if self.service.errors or self._poisoned:
+            with self._table_lock():
+                poisoned, self._poisoned = self._poisoned, []
+                for layer, experts in poisoned:
+                    self.lru[layer].release(experts)
+        self.service.check()
+
+    def settle(self) -> None:
+        """Wait for enqueued work, so that the counters include the misses it served."""
+        if self.service is not None:
+            mx.synchronize()
 
     def _fill_layer(self, layer: int, pool: SlotPool, stats: LayerStats) -> None:
         """Read the whole layer once, in bounded chunks; afterwards slot == expert id."""
@@ -279,6 +396,8 @@ class ExpertCache:
         self.resident[layer] = pool.pool
 
     def close(self) -> None:
+        if self.service is not None:
+            self.service.close()
         self.pools.clear()
         self.resident.clear()
         self.overflow.close()
@@ -311,9 +430,11 @@ def parse_budget(budget, total_expert_bytes: int) -> int:
     return int(budget)
 
 
-def make_cache(store: ExpertStore, layout: ModelLayout, budget=None):
+def make_cache(store: ExpertStore, layout: ModelLayout, budget=None,
+               device_table_enabled: Optional[bool] = None):
     budget_bytes = parse_budget(budget, layout.total_expert_bytes)
-    cache = ExpertCache(store, layout, budget_bytes) if budget_bytes > 0 else None
+    table = device_table.enabled(device_table_enabled)
+    cache = ExpertCache(store, layout, budget_bytes, table) if budget_bytes > 0 else None
     if cache is None or cache.capacity_bytes == 0:
         return StagingCache(store)
     log.info("expert cache: %.2f GB budget, %.2f GB in slots (%.0f%% of the experts)",

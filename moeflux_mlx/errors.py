@@ -11,6 +11,7 @@
     ├── ExpertReadError (OSError)           a read failed during generation (EIO, short read, truncated)
     ├── ExpertIndexError (IndexError)       the router asked for an expert the layer does not have
     ├── ModelClosedError (RuntimeError)     the model was closed
+    ├── DeviceWaitError (RuntimeError)      the GPU gave up waiting for the host's expert reads
     └── ConvertError                        convert could not finish (DST exists, write failed, verify)
 """
 
@@ -53,6 +54,12 @@ class ExpertIndexError(MoefluxError, IndexError):
 
 class ModelClosedError(MoefluxError, RuntimeError):
     """The streaming model was closed; load it again."""
+
+
+class DeviceWaitError(MoefluxError, RuntimeError):
+    """With the device-side slot table (CUDA), the GPU waited longer than its timeout for the
+    host thread that reads missed experts, or was handed an expert index out of range. The
+    model's state is no longer trusted: load it again."""
 
 
 class ConvertError(MoefluxError):

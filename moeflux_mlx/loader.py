@@ -36,11 +36,11 @@ class StreamingRuntime:
     Reached as ``model.moeflux``; ``close()`` (or ``with``) releases files, maps and threads."""
 
     def __init__(self, store: ExpertStore, layout: ModelLayout, backend, cache_budget=None,
-                 prefetch: bool = False):
+                 prefetch: bool = False, device_table: Optional[bool] = None):
         self.store, self.layout, self.backend = store, layout, backend
         self._stats = Stats()
         self.prefetcher = Prefetcher(store, self._stats) if prefetch else None
-        self.cache = make_cache(self.prefetcher or store, layout, cache_budget)
+        self.cache = make_cache(self.prefetcher or store, layout, cache_budget, device_table)
         self.next_gate = {}  # layer -> (next MoE layer, its router); set when the model is patched
         self.closed = False
 
@@ -49,9 +49,11 @@ class StreamingRuntime:
         return self._stats
 
     def stats_dict(self) -> dict:
+        self.cache.settle()  # misses served on the GPU's behalf are counted when they happen
         d = self._stats.to_dict()
         d.update(io_mode=self.store.io_mode, cache=self.cache.name, backend=self.backend.name,
-                 prefetch=self.prefetcher is not None)
+                 prefetch=self.prefetcher is not None,
+                 device_table=getattr(self.cache, "control", None) is not None)
         return d
 
     def reset_stats(self) -> None:
@@ -113,10 +115,12 @@ def _replace_switch_modules(model: nn.Module, runtime: StreamingRuntime) -> None
                               "for them")
 
 
-def _make_runtime(source, expert_io, backend, threads, cache_budget, prefetch) -> StreamingRuntime:
+def _make_runtime(source, expert_io, backend, threads, cache_budget, prefetch,
+                  device_table) -> StreamingRuntime:
     store, layout = open_store(Path(source), expert_io, threads)
     try:
-        return StreamingRuntime(store, layout, select_backend(backend), cache_budget, prefetch)
+        return StreamingRuntime(store, layout, select_backend(backend), cache_budget, prefetch,
+                                device_table)
     except Exception:
         store.close()
         raise
@@ -124,10 +128,11 @@ def _make_runtime(source, expert_io, backend, threads, cache_budget, prefetch) -
 
 def patch_model(model: nn.Module, source, *, expert_io: Optional[str] = None,
                 backend: Optional[str] = None, cache_budget=None, prefetch: bool = False,
-                threads: int = 8) -> nn.Module:
+                threads: int = 8, device_table: Optional[bool] = None) -> nn.Module:
     """Replace the experts of an mlx-lm ``model`` (built by the user, e.g. ``mlx_lm.load(...,
     lazy=True)``) by streaming modules reading from ``source`` (converted or plain checkpoint)."""
-    runtime = _make_runtime(source, expert_io, backend, threads, cache_budget, prefetch)
+    runtime = _make_runtime(source, expert_io, backend, threads, cache_budget, prefetch,
+                            device_table)
     try:
         _replace_switch_modules(model, runtime)
     except Exception:
@@ -139,18 +144,21 @@ def patch_model(model: nn.Module, source, *, expert_io: Optional[str] = None,
 
 def load(path, *, expert_io: Optional[str] = None, backend: Optional[str] = None,
          cache_budget=None, prefetch: bool = False, threads: int = 8, model_config: Optional[dict] = None,
-         tokenizer_config: Optional[dict] = None) -> Tuple[nn.Module, object]:
+         tokenizer_config: Optional[dict] = None,
+         device_table: Optional[bool] = None) -> Tuple[nn.Module, object]:
     """Load a converted directory or a plain mlx-lm checkpoint with experts streamed from disk.
 
     ``expert_io``: ``auto`` (the RAM gate), ``mmap`` or ``pread``. ``backend``: ``auto``, ``ops``,
     ``metal`` or ``cuda``. ``cache_budget``: MLX memory for resident experts: bytes, ``"8GB"``,
     a fraction of RAM, ``"all"``, or 0 for none (default: all experts if they fit in 0.4 x RAM).
     ``prefetch``: read the experts the next layer's router would pick for this layer's input
-    in the background (see ``prefetch.py``).
+    in the background (see ``prefetch.py``). ``device_table``: on CUDA, decode looks slots up
+    on the GPU and syncs with the host only on misses (default: on where available; see
+    ``device_table.py``; ``MOEFLUX_DEVICE_TABLE=0|1``).
     Returns ``(model, tokenizer)`` like ``mlx_lm.load``; ``model.moeflux`` is the runtime
     (``stats_dict()``, ``reset_stats()``, ``close()``)."""
     path = Path(path)
-    runtime = _make_runtime(path, expert_io, backend, threads, cache_budget, prefetch)
+    runtime = _make_runtime(path, expert_io, backend, threads, cache_budget, prefetch, device_table)
 
     def get_classes(config):
         model_class, args_class = _get_classes(config)

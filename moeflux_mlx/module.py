@@ -28,12 +28,20 @@ class StreamingSwitchGLU(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         rt = self._runtime
         rt.check_open()
+        rt.cache.check()  # serves the GPU's pending misses too, while this thread has the GIL
         stats = rt.stats.layer(self.layer)
         resident = rt.cache.resident_pool(self.layer)
         if resident is not None:  # every expert resident, slot == expert id: no host sync
             stats.calls += 1
             stats.unsynced_calls += 1
             return rt.backend(x, indices, resident, self.activation)
+        if rt.cache.can_resolve(self.layer, indices):  # decode on CUDA: the GPU looks slots up
+            slots, pool = rt.cache.resolve(self.layer, indices, stats)
+            stats.calls += 1
+            stats.unsynced_calls += 1
+            stats.tokens += 1
+            stats.experts_routed += indices.shape[-1]
+            return rt.backend(x, slots, pool, self.activation)
         t0 = time.perf_counter()
         ahead = rt.next_gate.get(self.layer) if rt.prefetcher is not None else None
         predicted = None

@@ -90,6 +90,15 @@ def host_staging(shape) -> Optional[mx.array]:
     return arr
 
 
+def host_array(shape) -> mx.array:
+    """``host_staging`` where CUDA's runtime can be reached, else a plain (CPU-written) array."""
+    arr = host_staging(shape)
+    if arr is None:  # no CUDA runtime to advise: a plain array still works, only slower
+        arr = mx.zeros(shape, mx.uint8, stream=mx.cpu)
+        mx.eval(arr)
+    return arr
+
+
 def device_slot_writes() -> bool:
     """Whether slot writes should go through host staging and a GPU scatter (CUDA), rather than
     straight into the pool's memory (Metal, CPU). ``MOEFLUX_SLOT_WRITES=host|device`` overrides."""

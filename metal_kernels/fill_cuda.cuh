@@ -1,0 +1,27 @@
+  // ---- fill: copy the experts the host just read (host-resident staging) into their slots.
+  // Runs after resolve (it consumes resolve's slots and passes them on, so the expert kernels
+  // that follow depend on it). The copy list is empty unless the host served a miss for this
+  // call; after a failed read the host flags it and the slots are filled with NaN bytes.
+  // Inputs: slots [N], ctrl, meta, staging [rows, MF_BLOB] uint8, then one uint8 pool array
+  // [n_slots, bytes] per expert component (MF_COPY_COMPONENTS, generated). Output: out_slots.
+  int* c = const_cast<int*>(reinterpret_cast<const int*>(ctrl));
+  const int base = meta[2], csrc = meta[6], cdst = meta[7];
+  __shared__ int n, poison, src[MF_MAXN], dst[MF_MAXN];
+  if (threadIdx.x == 0) {
+    n = mf_ld_relaxed(c + base + MF_H_NCOPY);
+    poison = mf_ld_relaxed(c + base + MF_H_ERR) != 0;
+  }
+  __syncthreads();
+  for (int i = int(threadIdx.x); i < n; i += int(blockDim.x)) {
+    src[i] = mf_ld_relaxed(c + csrc + i);
+    dst[i] = mf_ld_relaxed(c + cdst + i);
+  }
+  __syncthreads();
+  if (blockIdx.x == 0 && threadIdx.x < N) out_slots[threadIdx.x] = slots[threadIdx.x];
+  const size_t gtid = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t gsize = size_t(gridDim.x) * blockDim.x;
+  for (int k = 0; k < n; ++k) {
+    const uint8_t* s = staging + size_t(src[k]) * MF_BLOB;
+    const size_t d = size_t(dst[k]);
+    MF_COPY_COMPONENTS
+  }

@@ -1,0 +1,54 @@
+  // ---- resolve: router indices -> pool slots through the device-side table.
+  // One block; thread t < N looks up expert inds[t]. When every expert is resident the host is
+  // not involved at all. Otherwise thread 0 publishes the request and waits for the host thread
+  // to read the missing experts and update the table (the GPU idles, the rest of the graph
+  // stays enqueued), then every thread reads its slot again.
+  // Inputs: inds [N] uint32, ctrl (the control block), meta [MF_META] int32. Output: slots [N].
+  int* c = const_cast<int*>(reinterpret_cast<const int*>(ctrl));
+  const int req_at = meta[0], done_at = meta[1], base = meta[2], tab = meta[3], last = meta[4],
+            reqi = meta[5], n_experts = meta[8], fault_at = meta[9], tick_at = meta[10];
+  __shared__ int miss, bad, tick;
+  const int t = int(threadIdx.x);
+  if (t == 0) { miss = 0; bad = 0; }
+  __syncthreads();
+  int e = -1;
+  if (t < N) {
+    e = int(inds[t]);
+    if (e < 0 || e >= n_experts) atomicOr(&bad, 1);
+    else if (mf_ld_relaxed(c + tab + e) < 0) atomicOr(&miss, 1);
+  }
+  __syncthreads();
+  if (t == 0) {
+    tick = mf_ld_relaxed(c + tick_at) + 1;  // this layer's LRU clock: one tick per call
+    mf_st_relaxed(c + base + MF_H_NCOPY, 0);  // nothing for fill to copy unless the host says so
+    if (bad) {
+      mf_st_relaxed(c + fault_at, MF_FAULT_INDEX);
+    } else if (miss) {
+      for (int i = 0; i < N; ++i) mf_st_relaxed(c + reqi + i, int(inds[i]));
+      mf_st_relaxed(c + base + MF_H_NREQ, N);
+      const int seq = mf_ld_relaxed(c + done_at) + 1;
+      mf_st_release(c + req_at, seq);  // publishes the request words above
+      const unsigned long long t0 = mf_clock_ns();
+      unsigned long long now = t0;
+      while (mf_ld_acquire(c + done_at) != seq) {
+        __nanosleep(256);
+        now = mf_clock_ns();
+        if (now - t0 > MF_WAIT_TIMEOUT_NS) {
+          mf_st_relaxed(c + fault_at, MF_FAULT_TIMEOUT);
+          break;
+        }
+      }
+      mf_st_relaxed(c + base + MF_H_WAITS, mf_ld_relaxed(c + base + MF_H_WAITS) + 1);
+      const int us = int((now - t0) / 1000ull);
+      mf_st_relaxed(c + base + MF_H_WAIT_US, mf_ld_relaxed(c + base + MF_H_WAIT_US) + us);
+    }
+  }
+  __syncthreads();
+  if (t < N) {
+    int s = bad ? -1 : mf_ld_relaxed(c + tab + e);
+    if (s < 0) s = 0;  // only after a fault (flagged above): the host raises it
+    slots[t] = uint32_t(s);
+    mf_st_relaxed(c + last + s, tick);
+  }
+  __syncthreads();
+  if (t == 0) mf_st_release(c + tick_at, tick);  // the call is done (the host's in-flight count)

@@ -1,0 +1,317 @@
+"""The device-side slot table: decode without a host sync per MoE layer (CUDA).
+
+With a host sync per layer the GPU idles while Python builds each layer's graph, and Python idles
+while the GPU runs it (0.6-0.7 ms per layer on an H100, see benchmarks/results). Here the
+expert -> slot table of each partially cached layer lives in a control block of host-resident
+memory that the GPU reads in place (``upload.host_staging``), and each decode call enqueues:
+
+- ``resolve`` (one block): looks the router's experts up in the table. All resident: it writes
+  their slots and the host never hears of it. A miss: it publishes the request in the control
+  block and waits, on the GPU, for the host thread (``MissService``) to read the missing experts
+  into host-resident staging, pick victims (LRU) and update the table; then it reads the table
+  again.
+- ``fill``: copies what the host read from the staging into the victims' pool slots.
+- the expert kernels (backends), on those slots.
+
+So a token's whole graph is built and enqueued at once, as mlx-lm does for stock models, and only
+the GPU waits, only on misses (a round trip of about 60-80 us on an H100,
+benchmarks/wait_probe.py). Decode-sized calls (one token) take this path; prefill keeps the
+synced one (``cache.ExpertCache.fetch``), which works on the same table.
+
+Control block (int32 words): four vectors with one word per table layer -- request and answer
+sequence numbers (the host polls these), GPU faults, and the LRU clock (calls so far) -- then per
+layer a header (``H_*``), the table (expert -> slot, -1 absent), the clock value of each slot's
+last use (-1 free), the request's experts and the copy list (staging row -> slot).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import DeviceWaitError, ExpertReadError
+from .kernels import load_source
+from .layout import ExpertLayout
+from .upload import cuda_runtime_available, host_array, host_view
+
+log = logging.getLogger(__name__)
+
+H_ERR, H_NREQ, H_NCOPY, H_WAITS, H_WAIT_US = range(5)  # per-layer header words
+HEADER_WORDS = 8
+FAULT_INDEX, FAULT_TIMEOUT = 1, 2
+MAX_SELECTIONS = 64  # routed experts per call the table path serves (top-k of one token)
+WAIT_TIMEOUT_S = 60.0  # how long the GPU waits for the host before it gives up (DeviceWaitError)
+FILL_BLOCKS, FILL_THREADS = 132, 256
+POLL_SLEEP_S = 20e-6  # the service's pause between polls while GPU work is in flight
+IDLE_WAIT_S = 0.01  # ... and when none is
+STALL_S = 1.0  # in flight this long without progress: treated as idle (a graph never evaluated)
+
+
+def enabled(requested: Optional[bool] = None) -> bool:
+    """Whether decode should use the device-side table: CUDA with its runtime reachable.
+    ``MOEFLUX_DEVICE_TABLE=0|1`` (or the ``requested`` argument) overrides."""
+    if requested is None:
+        env = os.environ.get("MOEFLUX_DEVICE_TABLE", "").strip().lower()
+        requested = {"0": False, "off": False, "1": True, "on": True}.get(env)
+    available = (hasattr(mx, "cuda") and mx.cuda.is_available() and mx.default_device() == mx.gpu
+                 and cuda_runtime_available())
+    if requested and not available:
+        log.warning("device-side slot table requested, but it needs MLX's CUDA backend and "
+                    "libcudart: using a host sync per layer")
+    return available if requested is None else bool(requested and available)
+
+
+def _round(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+@dataclass
+class TableLayer:
+    """One layer's part of the control block; the arrays are views into it."""
+
+    index: int  # its word in the four per-layer vectors
+    base: int  # offset of its header, in words
+    num_experts: int
+    n_slots: int
+    meta: mx.array  # the offsets the kernels need, on the device
+    header: np.ndarray
+    slot_of: np.ndarray  # expert -> slot, -1: absent
+    last_used: np.ndarray  # slot -> clock value of its last use, -1: free
+    request: np.ndarray  # experts of the pending request
+    copy_src: np.ndarray  # staging row ...
+    copy_dst: np.ndarray  # ... -> slot, for the next fill
+
+
+class ControlBlock:
+    """Host-resident words shared by the host and the resolve/fill kernels of every table layer."""
+
+    def __init__(self, layers: Dict[int, tuple]):
+        """``layers``: layer -> (num_experts, n_slots)."""
+        order = sorted(layers)
+        nl = len(order)
+        flags = _round(4 * nl, 16)
+        offsets, size = {}, flags
+        for layer in order:
+            e, s = layers[layer]
+            offsets[layer] = size
+            size += _round(HEADER_WORDS + e + s + 3 * MAX_SELECTIONS, 16)
+        self.array = host_array((size * 4,))
+        self.words = host_view(self.array).reshape(-1).view(np.int32)
+        self.words[:] = 0
+        self.order = order
+        self.requests, self.answers = self.words[0:nl], self.words[nl:2 * nl]
+        self.faults, self.ticks = self.words[2 * nl:3 * nl], self.words[3 * nl:4 * nl]
+        self.layers: Dict[int, TableLayer] = {}
+        for i, layer in enumerate(order):
+            e, s = layers[layer]
+            b = offsets[layer]
+            tab = b + HEADER_WORDS
+            last = tab + e
+            reqi = last + s
+            csrc = reqi + MAX_SELECTIONS
+            cdst = csrc + MAX_SELECTIONS
+            w = self.words
+            w[tab:tab + e + s] = -1
+            meta = mx.array([i, nl + i, b, tab, last, reqi, csrc, cdst, e, 2 * nl + i, 3 * nl + i],
+                            mx.int32)
+            self.layers[layer] = TableLayer(
+                i, b, e, s, meta, w[b:b + HEADER_WORDS], w[tab:tab + e], w[last:last + s],
+                w[reqi:reqi + MAX_SELECTIONS], w[csrc:csrc + MAX_SELECTIONS],
+                w[cdst:cdst + MAX_SELECTIONS])
+        mx.eval([t.meta for t in self.layers.values()])
+
+    def pending(self) -> np.ndarray:
+        """Table-layer positions with a request not yet answered."""
+        return np.flatnonzero(self.requests != self.answers)
+
+    def fault(self) -> Optional[str]:
+        bad = np.flatnonzero(self.faults)
+        if not bad.size:
+            return None
+        i = int(bad[0])
+        layer = self.order[i]
+        if self.faults[i] == FAULT_INDEX:
+            return (f"layer {layer}: the router asked for an expert index out of range (the "
+                    f"layer has {self.layers[layer].num_experts} experts)")
+        return (f"layer {layer}: the GPU waited more than {WAIT_TIMEOUT_S:.0f} s for the host "
+                "to read missed experts and gave up (was the miss service thread stopped?)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels (CUDA only: the GPU waits on host memory; Metal keeps the synced path)
+
+
+def _defines(**values) -> str:
+    return "".join(f"#define MF_{k} {v}\n" for k, v in values.items())
+
+
+def _header() -> str:
+    return (load_source("prelude_cuda.cuh") + "\n" + load_source("table_cuda.cuh") + "\n"
+            + _defines(H_ERR=H_ERR, H_NREQ=H_NREQ, H_NCOPY=H_NCOPY, H_WAITS=H_WAITS,
+                       H_WAIT_US=H_WAIT_US, FAULT_INDEX=FAULT_INDEX, FAULT_TIMEOUT=FAULT_TIMEOUT,
+                       MAXN=MAX_SELECTIONS, WAIT_TIMEOUT_NS=f"{int(WAIT_TIMEOUT_S * 1e9)}ull"))
+
+
+def _named(kind: str, header: str, body: str) -> str:
+    return f"moeflux_{kind}_{hashlib.sha1((header + body).encode()).hexdigest()[:10]}"
+
+
+_KERNELS: Dict[str, object] = {}
+
+
+def _resolve_kernel():
+    k = _KERNELS.get("resolve")
+    if k is None:
+        header, body = _header(), load_source("resolve_cuda.cuh")
+        k = _KERNELS["resolve"] = mx.fast.cuda_kernel(
+            name=_named("resolve", header, body), input_names=["inds", "ctrl", "meta"],
+            output_names=["slots"], source=body, header=header)
+    return k
+
+
+def _fill_kernel(layout: ExpertLayout):
+    """One fill kernel per expert layout: the component offsets and sizes are compiled in."""
+    comps = layout.components
+    copies = "".join(
+        f"    mf_copy_component<{c.nbytes}ll>(s + {c.offset}, const_cast<uint8_t*>(p{i}) + d * "
+        f"{c.nbytes}ll, poison, gtid, gsize);\n" for i, c in enumerate(comps))
+    header = _header() + _defines(BLOB=f"{layout.blob_size}ll")
+    body = load_source("fill_cuda.cuh").replace("MF_COPY_COMPONENTS", copies)
+    name = _named("fill", header, body)
+    k = _KERNELS.get(name)
+    if k is None:
+        k = _KERNELS[name] = mx.fast.cuda_kernel(
+            name=name, input_names=["slots", "ctrl", "meta", "staging",
+                                    *[f"p{i}" for i in range(len(comps))]],
+            output_names=["out_slots"], source=body, header=header)
+    return k
+
+
+def resolve(control: ControlBlock, layer: int, indices: mx.array, raw: Dict[str, mx.array],
+            layout: ExpertLayout, staging: mx.array) -> mx.array:
+    """Lazy slots for ``indices`` (one token's experts), made resident on the way (see above)."""
+    t = control.layers[layer]
+    n = indices.size
+    inds = indices.reshape(-1).astype(mx.uint32)
+    threads = _round(max(n, 1), 32)
+    slots = _resolve_kernel()(
+        inputs=[inds, control.array, t.meta], template=[("N", n)], grid=(threads, 1, 1),
+        threadgroup=(threads, 1, 1), output_shapes=[(n,)], output_dtypes=[mx.uint32])[0]
+    pools = [raw[c.name] for c in layout.components]
+    filled = _fill_kernel(layout)(
+        inputs=[slots, control.array, t.meta, staging, *pools], template=[("N", n)],
+        grid=(FILL_BLOCKS * FILL_THREADS, 1, 1), threadgroup=(FILL_THREADS, 1, 1),
+        output_shapes=[(n,)], output_dtypes=[mx.uint32])[0]
+    return filled.reshape(indices.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# The host side
+
+
+class MissService:
+    """The host thread that answers the GPU's miss requests.
+
+    ``serve(layer, experts)`` (the cache's) reads the missing ones into staging, updates the
+    table and the copy list, and raises on a failed read; the request is answered either way, so
+    the GPU never waits for an error. Errors are kept and raised by ``check()`` on the next
+    module call. ``poll()`` may also be called from the main thread (the streaming module does,
+    while it builds the next token's graph and the GPU may be waiting on this one)."""
+
+    def __init__(self, control: ControlBlock, serve: Callable[[int, np.ndarray], None]):
+        self.control, self.serve = control, serve
+        self.expected = np.zeros(len(control.order), np.int64)  # calls enqueued per layer
+        self.errors: list = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._work = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="moeflux-miss-service", daemon=True)
+        self._thread.start()
+
+    def enqueued(self, layer: int) -> None:
+        self.expected[self.control.layers[layer].index] += 1
+        self._work.set()
+
+    def poll(self) -> bool:
+        """Answer every pending request; False when there was none (or another thread is on it)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            pending = self.control.pending()
+            for i in pending:
+                self._answer(int(i))
+            return bool(pending.size)
+        finally:
+            self._lock.release()
+
+    def _answer(self, i: int) -> None:
+        c = self.control
+        layer = c.order[i]
+        t = c.layers[layer]
+        experts = np.unique(t.request[:int(t.header[H_NREQ])])
+        try:
+            self.serve(layer, experts)
+        except BaseException as e:  # kept for check(); the GPU goes on with poisoned slots
+            log.error("layer %d: reading experts %s failed: %s", layer, experts.tolist(), e)
+            self.errors.append(e)
+        finally:
+            c.answers[i] = c.requests[i]
+
+    def in_flight(self) -> bool:
+        return bool((self.control.ticks != self.expected).any())
+
+    def _run(self) -> None:
+        last_ticks, last_change = None, time.monotonic()
+        while not self._stop.is_set():
+            if self.poll():
+                last_change = time.monotonic()
+                continue
+            ticks = self.control.ticks.copy()
+            if last_ticks is None or (ticks != last_ticks).any():
+                last_ticks, last_change = ticks, time.monotonic()
+            if self.in_flight() and time.monotonic() - last_change < STALL_S:
+                time.sleep(POLL_SLEEP_S)
+            else:
+                self._work.wait(IDLE_WAIT_S)
+                self._work.clear()
+
+    def check(self) -> None:
+        """Raise what went wrong since the last check (a failed read, a GPU fault)."""
+        fault = self.control.fault()
+        if fault is not None:
+            raise DeviceWaitError(fault + "; load the model again")
+        if self.errors:
+            errors, self.errors = self.errors, []
+            first = errors[0]
+            if isinstance(first, ExpertReadError):
+                raise first
+            raise ExpertReadError(f"reading missed experts failed: {first}") from first
+
+    def close(self) -> None:
+        """Stop the thread once the GPU no longer needs it."""
+        if self._thread.is_alive():
+            try:
+                mx.synchronize()  # any wait still enqueued is answered first
+            finally:
+                self._stop.set()
+                self._work.set()
+                self._thread.join(timeout=5)
+
+
+def staging_rows(top_k: int) -> int:
+    return max(1, min(top_k, MAX_SELECTIONS))
+
+
+def fits(n_selected: int, n_slots: int) -> bool:
+    """Whether a call routing ``n_selected`` experts can take the table path on a layer with
+    ``n_slots`` slots (it needs a slot for each, and staging is sized for one token)."""
+    return 0 < n_selected <= min(MAX_SELECTIONS, n_slots)
+
