@@ -2,9 +2,11 @@
   // Runs after resolve (it consumes resolve's slots and passes them on, so the expert kernels
   // that follow depend on it). The copy list is empty unless the host served a miss for this
   // call; after a failed read the host flags it and the slots are filled with NaN bytes.
-  // Inputs: slots [N], ctrl, meta, staging [rows, MF_BLOB] uint8, then one uint8 pool array
-  // [n_slots, bytes] per expert component (MF_COPY_COMPONENTS, generated). Output: out_slots.
-  int* c = const_cast<int*>(reinterpret_cast<const int*>(ctrl));
+  // Inputs: slots [N], meta, then one uint8 pool array [n_slots, bytes] per expert component
+  // (the copy lines below are generated); the staging [rows, MF_BLOB] comes by address.
+  // Output: out_slots.
+  int* c = mf_ptr<int>(meta, MF_META_CTRL);
+  const uint8_t* staging = mf_ptr<const uint8_t>(meta, MF_META_STAGING);
   const int base = meta[2], csrc = meta[6], cdst = meta[7];
   __shared__ int n, poison, src[MF_MAXN], dst[MF_MAXN];
   if (threadIdx.x == 0) {

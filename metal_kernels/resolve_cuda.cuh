@@ -3,8 +3,8 @@
   // not involved at all. Otherwise thread 0 publishes the request and waits for the host thread
   // to read the missing experts and update the table (the GPU idles, the rest of the graph
   // stays enqueued), then every thread reads its slot again.
-  // Inputs: inds [N] uint32, ctrl (the control block), meta [MF_META] int32. Output: slots [N].
-  int* c = const_cast<int*>(reinterpret_cast<const int*>(ctrl));
+  // Inputs: inds [N] uint32, meta (offsets and addresses, see device_table.py). Output: slots [N].
+  int* c = mf_ptr<int>(meta, MF_META_CTRL);
   const int req_at = meta[0], done_at = meta[1], base = meta[2], tab = meta[3], last = meta[4],
             reqi = meta[5], n_experts = meta[8], fault_at = meta[9], tick_at = meta[10];
   __shared__ int miss, bad, tick;
@@ -28,18 +28,20 @@
       mf_st_relaxed(c + base + MF_H_NREQ, N);
       const int seq = mf_ld_relaxed(c + done_at) + 1;
       mf_st_release(c + req_at, seq);  // publishes the request words above
-      const unsigned long long t0 = mf_clock_ns();
-      unsigned long long now = t0;
+      // %globaltimer may be stepped by the driver, even backwards: sum only forward steps
+      unsigned long long prev = mf_clock_ns(), waited = 0;
       while (mf_ld_acquire(c + done_at) != seq) {
         __nanosleep(256);
-        now = mf_clock_ns();
-        if (now - t0 > MF_WAIT_TIMEOUT_NS) {
+        const unsigned long long now = mf_clock_ns();
+        if (now > prev && now - prev < 1000000000ull) waited += now - prev;
+        prev = now;
+        if (waited > MF_WAIT_TIMEOUT_NS) {
           mf_st_relaxed(c + fault_at, MF_FAULT_TIMEOUT);
           break;
         }
       }
       mf_st_relaxed(c + base + MF_H_WAITS, mf_ld_relaxed(c + base + MF_H_WAITS) + 1);
-      const int us = int((now - t0) / 1000ull);
+      const int us = int(waited / 1000ull);
       mf_st_relaxed(c + base + MF_H_WAIT_US, mf_ld_relaxed(c + base + MF_H_WAIT_US) + us);
     }
   }

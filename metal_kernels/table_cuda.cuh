@@ -2,8 +2,9 @@
 // (CUDA only; goes into mx.fast.cuda_kernel's `header`). See moeflux_mlx/device_table.py for the
 // control block these kernels share with the host thread that serves misses.
 //
-// The control block is host-resident memory mapped for the GPU, so the GPU and a host thread
-// talk through it while a graph runs. Loads and stores are system-scope: the host writes a
+// The control block and the staging are page-locked host memory mapped for the GPU
+// (cudaHostRegister), outside MLX's allocator; kernels get their addresses through `meta`. The
+// GPU and a host thread talk through them while a graph runs. Loads and stores are system-scope: the host writes a
 // slot table and a copy list, then releases `done`; the GPU acquires `done` before it reads them.
 
 MF_INLINE int mf_ld_relaxed(const int* p) {
@@ -22,6 +23,10 @@ MF_INLINE void mf_st_relaxed(int* p, int v) {
 MF_INLINE void mf_st_release(int* p, int v) {
   asm volatile("st.release.sys.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
+template <typename T> MF_INLINE T* mf_ptr(const int32_t* meta, int at) {
+  const unsigned long long lo = (unsigned int)meta[at], hi = (unsigned int)meta[at + 1];
+  return reinterpret_cast<T*>(lo | (hi << 32));
+}
 MF_INLINE unsigned long long mf_clock_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -36,8 +41,10 @@ MF_INLINE void mf_copy_component(const uint8_t* s, uint8_t* d, int poison, size_
     const uint4* s4 = reinterpret_cast<const uint4*>(s);
     uint4* d4 = reinterpret_cast<uint4*>(d);
     const uint4 nan4 = make_uint4(~0u, ~0u, ~0u, ~0u);
-    for (size_t i = gtid; i < size_t(NB / 16); i += gsize) d4[i] = poison ? nan4 : s4[i];
+    // __ldcv: fetch again, never from a cache (the host wrote these bytes while the graph ran)
+    for (size_t i = gtid; i < size_t(NB / 16); i += gsize) d4[i] = poison ? nan4 : __ldcv(s4 + i);
   } else {
-    for (size_t i = gtid; i < size_t(NB); i += gsize) d[i] = poison ? uint8_t(0xFF) : s[i];
+    const volatile uint8_t* sv = s;
+    for (size_t i = gtid; i < size_t(NB); i += gsize) d[i] = poison ? uint8_t(0xFF) : sv[i];
   }
 }

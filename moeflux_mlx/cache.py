@@ -262,7 +262,6 @@ class ExpertCache:
         if use_table and partial:
             self.control = device_table.ControlBlock(partial)
             self.service = device_table.MissService(self.control, self._serve)
-        self._table_staging: Dict[int, mx.array] = {}  # blob size -> rows of one call's misses
         self._layer_stats: Dict[int, LayerStats] = {}
         self._poisoned: list = []  # (layer, experts) whose slots hold NaN bytes after a failed read
 
@@ -332,11 +331,8 @@ class ExpertCache:
         pool, _ = self._layer(layer)
         self._layer_stats[layer] = stats
         layout = pool.layout
-        staging = self._table_staging.get(layout.blob_size)
-        if staging is None:
-            rows = device_table.staging_rows(indices.shape[-1])
-            staging = self._table_staging[layout.blob_size] = host_array((rows, layout.blob_size))
-        slots = device_table.resolve(self.control, layer, indices, pool.raw, layout, staging)
+        self.control.staging_for(layout.blob_size, device_table.staging_rows(indices.shape[-1]))
+        slots = device_table.resolve(self.control, layer, indices, pool.raw, layout)
         self.service.enqueued(layer)
         return slots, pool.pool
 
@@ -348,7 +344,10 @@ class ExpertCache:
         tick = int(lru.clock[0]) + 1  # the waiting call's tick; the GPU stores it when done
         missing, victims = lru.admit(experts, tick)
         n = missing.size
-        staging = host_view(self._table_staging[self.store.layout(layer).blob_size])
+        # plain numpy: the service thread never calls into MLX (an MLX call could wait on the
+        # GPU, which may be waiting on this very thread)
+        staging = self.control.staging[self.store.layout(layer).blob_size].array.reshape(
+            -1, self.store.layout(layer).blob_size)
         if n > staging.shape[0]:
             raise ExpertReadError(f"layer {layer}: {n} missed experts in one call, staging "
                                   f"holds {staging.shape[0]}")

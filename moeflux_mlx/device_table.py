@@ -18,7 +18,7 @@ the GPU waits, only on misses (a round trip of about 60-80 us on an H100,
 benchmarks/wait_probe.py). Decode-sized calls (one token) take this path; prefill keeps the
 synced one (``cache.ExpertCache.fetch``), which works on the same table.
 
-Control block (int32 words): four vectors with one word per table layer -- request and answer
+Control block (int32 words, pinned host memory, like the staging): four vectors with one word per table layer -- request and answer
 sequence numbers (the host polls these), GPU faults, and the LRU clock (calls so far) -- then per
 layer a header (``H_*``), the table (expert -> slot, -1 absent), the clock value of each slot's
 last use (-1 free), the request's experts and the copy list (staging row -> slot).
@@ -40,7 +40,7 @@ import numpy as np
 from .errors import DeviceWaitError, ExpertReadError
 from .kernels import load_source
 from .layout import ExpertLayout
-from .upload import cuda_runtime_available, host_array, host_view
+from .upload import PinnedBuffer, cuda_runtime_available
 
 log = logging.getLogger(__name__)
 
@@ -73,25 +73,29 @@ def _round(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
+META_CTRL, META_STAGING = 11, 13  # where meta holds the two addresses (lo, hi words)
+
+
 @dataclass
 class TableLayer:
     """One layer's part of the control block; the arrays are views into it."""
 
     index: int  # its word in the four per-layer vectors
-    base: int  # offset of its header, in words
+    offsets: list  # meta[0:11]: see ControlBlock.meta
     num_experts: int
     n_slots: int
-    meta: mx.array  # the offsets the kernels need, on the device
     header: np.ndarray
     slot_of: np.ndarray  # expert -> slot, -1: absent
     last_used: np.ndarray  # slot -> clock value of its last use, -1: free
     request: np.ndarray  # experts of the pending request
     copy_src: np.ndarray  # staging row ...
     copy_dst: np.ndarray  # ... -> slot, for the next fill
+    meta: Optional[mx.array] = None
 
 
 class ControlBlock:
-    """Host-resident words shared by the host and the resolve/fill kernels of every table layer."""
+    """Words shared by the host and the resolve/fill kernels of every table layer, in pinned
+    host memory mapped for the GPU (``upload.PinnedBuffer``)."""
 
     def __init__(self, layers: Dict[int, tuple]):
         """``layers``: layer -> (num_experts, n_slots)."""
@@ -103,13 +107,13 @@ class ControlBlock:
             e, s = layers[layer]
             offsets[layer] = size
             size += _round(HEADER_WORDS + e + s + 3 * MAX_SELECTIONS, 16)
-        self.array = host_array((size * 4,))
-        self.words = host_view(self.array).reshape(-1).view(np.int32)
-        self.words[:] = 0
+        self.buffer = PinnedBuffer(size * 4)
+        self.words = self.buffer.array.view(np.int32)
         self.order = order
         self.requests, self.answers = self.words[0:nl], self.words[nl:2 * nl]
         self.faults, self.ticks = self.words[2 * nl:3 * nl], self.words[3 * nl:4 * nl]
         self.layers: Dict[int, TableLayer] = {}
+        self.staging: Dict[int, PinnedBuffer] = {}  # blob size -> rows of one call's misses
         for i, layer in enumerate(order):
             e, s = layers[layer]
             b = offsets[layer]
@@ -120,13 +124,36 @@ class ControlBlock:
             cdst = csrc + MAX_SELECTIONS
             w = self.words
             w[tab:tab + e + s] = -1
-            meta = mx.array([i, nl + i, b, tab, last, reqi, csrc, cdst, e, 2 * nl + i, 3 * nl + i],
-                            mx.int32)
             self.layers[layer] = TableLayer(
-                i, b, e, s, meta, w[b:b + HEADER_WORDS], w[tab:tab + e], w[last:last + s],
+                i, [i, nl + i, b, tab, last, reqi, csrc, cdst, e, 2 * nl + i, 3 * nl + i], e, s,
+                w[b:b + HEADER_WORDS], w[tab:tab + e], w[last:last + s],
                 w[reqi:reqi + MAX_SELECTIONS], w[csrc:csrc + MAX_SELECTIONS],
                 w[cdst:cdst + MAX_SELECTIONS])
-        mx.eval([t.meta for t in self.layers.values()])
+
+    def staging_for(self, blob_size: int, rows: int) -> np.ndarray:
+        """``[rows, blob_size]`` pinned staging for one call's misses, shared by the layers of
+        that blob size (a layer's fill has run before the next layer's request is served)."""
+        buf = self.staging.get(blob_size)
+        if buf is None:
+            buf = self.staging[blob_size] = PinnedBuffer(rows * blob_size)
+        return buf.array.reshape(-1, blob_size)
+
+    def meta(self, layer: int, blob_size: int) -> mx.array:
+        """The kernels' view of a layer: its offsets in the control block (resolve_cuda.cuh reads
+        them by position), then the control block's and the staging's device addresses."""
+        t = self.layers[layer]
+        if t.meta is None:
+            words = list(t.offsets)
+            for ptr in (self.buffer.device_ptr, self.staging[blob_size].device_ptr):
+                words += [ptr & 0xFFFFFFFF, ptr >> 32]
+            t.meta = mx.array(np.array(words, np.uint32).view(np.int32))
+            mx.eval(t.meta)
+        return t.meta
+
+    def close(self) -> None:
+        for buf in self.staging.values():
+            buf.close()
+        self.buffer.close()
 
     def pending(self) -> np.ndarray:
         """Table-layer positions with a request not yet answered."""
@@ -157,7 +184,8 @@ def _header() -> str:
     return (load_source("prelude_cuda.cuh") + "\n" + load_source("table_cuda.cuh") + "\n"
             + _defines(H_ERR=H_ERR, H_NREQ=H_NREQ, H_NCOPY=H_NCOPY, H_WAITS=H_WAITS,
                        H_WAIT_US=H_WAIT_US, FAULT_INDEX=FAULT_INDEX, FAULT_TIMEOUT=FAULT_TIMEOUT,
-                       MAXN=MAX_SELECTIONS, WAIT_TIMEOUT_NS=f"{int(WAIT_TIMEOUT_S * 1e9)}ull"))
+                       MAXN=MAX_SELECTIONS, WAIT_TIMEOUT_NS=f"{int(WAIT_TIMEOUT_S * 1e9)}ull",
+                       META_CTRL=META_CTRL, META_STAGING=META_STAGING))
 
 
 def _named(kind: str, header: str, body: str) -> str:
@@ -172,7 +200,7 @@ def _resolve_kernel():
     if k is None:
         header, body = _header(), load_source("resolve_cuda.cuh")
         k = _KERNELS["resolve"] = mx.fast.cuda_kernel(
-            name=_named("resolve", header, body), input_names=["inds", "ctrl", "meta"],
+            name=_named("resolve", header, body), input_names=["inds", "meta"],
             output_names=["slots"], source=body, header=header)
     return k
 
@@ -189,25 +217,25 @@ def _fill_kernel(layout: ExpertLayout):
     k = _KERNELS.get(name)
     if k is None:
         k = _KERNELS[name] = mx.fast.cuda_kernel(
-            name=name, input_names=["slots", "ctrl", "meta", "staging",
-                                    *[f"p{i}" for i in range(len(comps))]],
+            name=name, input_names=["slots", "meta", *[f"p{i}" for i in range(len(comps))]],
             output_names=["out_slots"], source=body, header=header)
     return k
 
 
 def resolve(control: ControlBlock, layer: int, indices: mx.array, raw: Dict[str, mx.array],
-            layout: ExpertLayout, staging: mx.array) -> mx.array:
-    """Lazy slots for ``indices`` (one token's experts), made resident on the way (see above)."""
-    t = control.layers[layer]
+            layout: ExpertLayout) -> mx.array:
+    """Lazy slots for ``indices`` (one token's experts), made resident on the way (see above).
+    The layer's staging (``control.staging_for``) must exist."""
     n = indices.size
+    meta = control.meta(layer, layout.blob_size)
     inds = indices.reshape(-1).astype(mx.uint32)
     threads = _round(max(n, 1), 32)
     slots = _resolve_kernel()(
-        inputs=[inds, control.array, t.meta], template=[("N", n)], grid=(threads, 1, 1),
+        inputs=[inds, meta], template=[("N", n)], grid=(threads, 1, 1),
         threadgroup=(threads, 1, 1), output_shapes=[(n,)], output_dtypes=[mx.uint32])[0]
     pools = [raw[c.name] for c in layout.components]
     filled = _fill_kernel(layout)(
-        inputs=[slots, control.array, t.meta, staging, *pools], template=[("N", n)],
+        inputs=[slots, meta, *pools], template=[("N", n)],
         grid=(FILL_BLOCKS * FILL_THREADS, 1, 1), threadgroup=(FILL_THREADS, 1, 1),
         output_shapes=[(n,)], output_dtypes=[mx.uint32])[0]
     return filled.reshape(indices.shape)
@@ -287,7 +315,10 @@ class MissService:
         """Raise what went wrong since the last check (a failed read, a GPU fault)."""
         fault = self.control.fault()
         if fault is not None:
-            raise DeviceWaitError(fault + "; load the model again")
+            c = self.control
+            state = (f" [requests {c.requests.tolist()}, answers {c.answers.tolist()}, service "
+                     f"thread {'alive' if self._thread.is_alive() else 'stopped'}]")
+            raise DeviceWaitError(fault + "; load the model again" + state)
         if self.errors:
             errors, self.errors = self.errors, []
             first = errors[0]
@@ -304,6 +335,7 @@ class MissService:
                 self._stop.set()
                 self._work.set()
                 self._thread.join(timeout=5)
+        self.control.close()
 
 
 def staging_rows(top_k: int) -> int:

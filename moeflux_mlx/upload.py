@@ -17,6 +17,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import mmap
 import os
 from typing import Optional
 
@@ -47,6 +48,9 @@ def _cudart():
             lib.cudaMemPrefetchAsync.restype = ctypes.c_int
             lib.cudaMemAdvise.restype = ctypes.c_int
             lib.cudaGetDevice.restype = ctypes.c_int
+            lib.cudaHostRegister.restype = ctypes.c_int
+            lib.cudaHostUnregister.restype = ctypes.c_int
+            lib.cudaHostGetDevicePointer.restype = ctypes.c_int
             major = name.split(".so.")[-1] if ".so." in name else ""
             return lib, major
         except (OSError, AttributeError):
@@ -88,6 +92,40 @@ def host_staging(shape) -> Optional[mx.array]:
         log.info("cudaMemAdvise returned %s: slot writes go through page faults", errs)
         return None
     return arr
+
+
+class PinnedBuffer:
+    """Page-locked host memory mapped for the GPU (``cudaHostRegister``), outside MLX's
+    allocator: a numpy view for the host, a device address for kernels.
+
+    Where CUDA's runtime cannot be reached it is plain memory (``device_ptr`` 0): enough for the
+    host side and for tests that stand in for the kernels."""
+
+    def __init__(self, nbytes: int):
+        self._map = mmap.mmap(-1, max(nbytes, 1))  # page-aligned, zeroed
+        self.array = np.frombuffer(self._map, np.uint8)[:nbytes]
+        self.device_ptr = 0
+        self._registered = False
+        rt = _cudart()
+        if rt is None:
+            return
+        lib = rt[0]
+        ptr = ctypes.c_void_p(self.array.ctypes.data)
+        err = lib.cudaHostRegister(ptr, ctypes.c_size_t(len(self._map)), 3)  # portable | mapped
+        if err:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed (error {err})")
+        self._registered = True
+        dev = ctypes.c_void_p()
+        err = lib.cudaHostGetDevicePointer(ctypes.byref(dev), ptr, 0)
+        if err:
+            self.close()
+            raise RuntimeError(f"cudaHostGetDevicePointer failed (error {err})")
+        self.device_ptr = int(dev.value)
+
+    def close(self) -> None:
+        if self._registered:
+            self._registered = False
+            _cudart()[0].cudaHostUnregister(ctypes.c_void_p(self.array.ctypes.data))
 
 
 def host_array(shape) -> mx.array:

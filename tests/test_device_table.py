@@ -21,7 +21,7 @@ from moeflux_mlx.errors import DeviceWaitError, ExpertReadError
 from moeflux_mlx.upload import host_view
 
 
-def reference_resolve(control, layer, indices, raw, layout, staging):
+def reference_resolve(control, layer, indices, raw, layout):
     """What resolve_cuda.cuh + fill_cuda.cuh do, eagerly, from the main thread."""
     t = control.layers[layer]
     inds = np.array(indices).reshape(-1).astype(np.int64)
@@ -40,7 +40,7 @@ def reference_resolve(control, layer, indices, raw, layout, staging):
     assert (slots >= 0).all()
     t.last_used[slots] = tick
     n, poison = int(t.header[dt.H_NCOPY]), bool(t.header[dt.H_ERR])
-    rows = host_view(staging)
+    rows = control.staging[layout.blob_size].array.reshape(-1, layout.blob_size)
     for k in range(n):
         for c in layout.components:
             dst = host_view(raw[c.name])[t.copy_dst[k]]
@@ -74,6 +74,7 @@ def _greedy(model, prompt, n=24):
 
 def _pool_holds_the_right_experts(rt):
     """Every slot the table names holds exactly that expert's bytes from disk."""
+    mx.synchronize()  # fills run on the GPU after the host's answer; a step may still be in flight
     for layer, lru in rt.cache.lru.items():
         pool = rt.cache.pools[layer]
         mx.eval(list(pool.raw.values()))
@@ -172,9 +173,10 @@ def test_control_block_regions_do_not_overlap():
         start = (v.ctypes.data - base) // 4
         assert (owner[start:start + v.size] == 0).all()
         owner[start:start + v.size] = 1
-    meta = {layer: np.array(t.meta).tolist() for layer, t in c.layers.items()}
     for layer, t in c.layers.items():
-        m = meta[layer]
+        c.staging_for(64, 2)
+        m = np.array(c.meta(layer, 64)).tolist()
+        assert len(m) == dt.META_STAGING + 2
         assert c.words[m[3]:m[3] + t.num_experts].ctypes.data == t.slot_of.ctypes.data
         assert m[0] == t.index and m[1] == len(layers) + t.index
 
@@ -185,6 +187,15 @@ def test_service_stops_promptly_when_idle():
     t = time.perf_counter()
     svc.close()
     assert time.perf_counter() - t < 1 and not svc._thread.is_alive()
+
+
+def test_pinned_buffer_is_plain_memory_without_cuda():
+    from moeflux_mlx.upload import PinnedBuffer
+
+    b = PinnedBuffer(10000)
+    assert b.array.size == 10000 and b.array.ctypes.data % 4096 == 0 and not b.array.any()
+    b.array[:] = 7
+    b.close()
 
 
 def test_disabled_without_cuda():
