@@ -48,25 +48,31 @@ H_ERR, H_NREQ, H_NCOPY, H_WAITS, H_WAIT_US = range(5)  # per-layer header words
 HEADER_WORDS = 8
 FAULT_INDEX, FAULT_TIMEOUT = 1, 2
 MAX_SELECTIONS = 64  # routed experts per call the table path serves (top-k of one token)
-WAIT_TIMEOUT_S = 60.0  # how long the GPU waits for the host before it gives up (DeviceWaitError)
+# how long the GPU waits for the host before it gives up (DeviceWaitError)
+WAIT_TIMEOUT_S = float(os.environ.get("MOEFLUX_WAIT_TIMEOUT_S", "60"))
 FILL_BLOCKS, FILL_THREADS = 132, 256
 POLL_SLEEP_S = 20e-6  # the service's pause between polls while GPU work is in flight
 IDLE_WAIT_S = 0.01  # ... and when none is
 STALL_S = 1.0  # in flight this long without progress: treated as idle (a graph never evaluated)
 
 
+def available() -> bool:
+    return (hasattr(mx, "cuda") and mx.cuda.is_available() and mx.default_device() == mx.gpu
+            and cuda_runtime_available())
+
+
 def enabled(requested: Optional[bool] = None) -> bool:
-    """Whether decode should use the device-side table: CUDA with its runtime reachable.
-    ``MOEFLUX_DEVICE_TABLE=0|1`` (or the ``requested`` argument) overrides."""
+    """Whether decode should use the device-side table. Opt-in (``requested`` or
+    ``MOEFLUX_DEVICE_TABLE=1``) while it is experimental: on the H100 some runs stalled with a
+    request the miss service never answered (README, "Known problems"). Needs CUDA."""
     if requested is None:
         env = os.environ.get("MOEFLUX_DEVICE_TABLE", "").strip().lower()
-        requested = {"0": False, "off": False, "1": True, "on": True}.get(env)
-    available = (hasattr(mx, "cuda") and mx.cuda.is_available() and mx.default_device() == mx.gpu
-                 and cuda_runtime_available())
-    if requested and not available:
+        requested = env in ("1", "on", "true")
+    if requested and not available():
         log.warning("device-side slot table requested, but it needs MLX's CUDA backend and "
                     "libcudart: using a host sync per layer")
-    return available if requested is None else bool(requested and available)
+        return False
+    return bool(requested)
 
 
 def _round(n: int, to: int) -> int:

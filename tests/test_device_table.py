@@ -53,8 +53,9 @@ def reference_resolve(control, layer, indices, raw, layout):
 def table_on_cpu(request, monkeypatch):
     """The Python reference of the kernels (anywhere), or the CUDA kernels themselves."""
     if request.param == "cuda":
-        if not dt.enabled():
+        if not dt.available():
             pytest.skip("the device-side table needs MLX's CUDA backend and libcudart")
+        monkeypatch.setenv("MOEFLUX_DEVICE_TABLE", "1")
         return
     monkeypatch.setattr(dt, "enabled", lambda requested=None: requested is not False)
     monkeypatch.setattr(dt, "resolve", reference_resolve)
@@ -198,6 +199,9 @@ def test_pinned_buffer_is_plain_memory_without_cuda():
     b.close()
 
 
-def test_disabled_without_cuda():
-    if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
-        assert not dt.enabled() and not dt.enabled(True)
+def test_opt_in_and_needs_cuda(monkeypatch):
+    monkeypatch.delenv("MOEFLUX_DEVICE_TABLE", raising=False)
+    assert not dt.enabled()
+    monkeypatch.setenv("MOEFLUX_DEVICE_TABLE", "1")
+    assert dt.enabled() == dt.available()
+    assert not dt.enabled(False)
