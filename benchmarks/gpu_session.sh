@@ -11,6 +11,6 @@ python3 -c "import mlx.core as mx, psutil, tqdm; print('mlx', mx.__version__, mx
 # a stalled device-table wait gives up after 10 s; a test stuck 40 s dumps every thread's stack
 MOEFLUX_WAIT_TIMEOUT_S=10 timeout 150 python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=40 \
   tests/test_device_table.py 2>&1 | tail -80 > "$OUT/gpu_tests.txt"; tail -5 "$OUT/gpu_tests.txt"
-python3 benchmarks/decode.py --arch qwen3_moe --size full --layers "$LAYERS" --build-dir /tmp/bench-models \
+MOEFLUX_WAIT_TIMEOUT_S=10 python3 benchmarks/decode.py --arch qwen3_moe --size full --layers "$LAYERS" --build-dir /tmp/bench-models \
   --decode-tokens 64 --prompt-tokens 128 --budgets 1,0.99,0.25 --prefetch off --repeats "$REPEATS" \
   --machine h100 --out "$OUT" 2>&1 | grep -v "^expert \|building" | tail -30
