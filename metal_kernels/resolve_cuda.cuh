@@ -28,6 +28,7 @@
       mf_st_relaxed(c + base + MF_H_NREQ, N);
       const int seq = mf_ld_relaxed(c + done_at) + 1;
       mf_st_release(c + req_at, seq);  // publishes the request words above
+      __threadfence_system();  // and pushes it out now, not when the kernel ends
       // %globaltimer may be stepped by the driver, even backwards: sum only forward steps
       unsigned long long prev = mf_clock_ns(), waited = 0;
       while (mf_ld_acquire(c + done_at) != seq) {
@@ -53,4 +54,7 @@
     mf_st_relaxed(c + last + s, tick);
   }
   __syncthreads();
-  if (t == 0) mf_st_release(c + tick_at, tick);  // the call is done (the host's in-flight count)
+  if (t == 0) {
+    mf_st_release(c + tick_at, tick);  // the call is done (the host's in-flight count)
+    __threadfence_system();
+  }
