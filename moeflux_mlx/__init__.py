@@ -5,9 +5,9 @@ Data path: files (``convert``) -> store (``store``) -> cache (``cache``) -> kern
 """
 
 from .convert import convert, verify_conversion
-from .errors import (CheckpointError, ConvertError, ExpertFileError, ExpertIndexError, ExpertReadError,
-                     LayoutError, ModelClosedError, MoefluxError, SafetensorsHeaderError,
-                     UnsupportedQuantizationError)
+from .errors import (CheckpointError, ConvertError, DeviceWaitError, ExpertFileError, ExpertIndexError,
+                     ExpertReadError, LayoutError, ModelClosedError, MoefluxError,
+                     SafetensorsHeaderError, UnsupportedQuantizationError)
 from .loader import StreamingRuntime, load, patch_model, reset_stats, stats
 from .store import select_expert_io
 
@@ -17,5 +17,5 @@ __all__ = [
     "load", "patch_model", "stats", "reset_stats", "convert", "verify_conversion", "select_expert_io",
     "StreamingRuntime", "MoefluxError", "CheckpointError", "ConvertError", "SafetensorsHeaderError",
     "UnsupportedQuantizationError", "LayoutError", "ExpertFileError", "ExpertReadError",
-    "ExpertIndexError", "ModelClosedError",
+    "ExpertIndexError", "ModelClosedError", "DeviceWaitError",
 ]
