@@ -1,6 +1,8 @@
 #!/bin/bash
 # One device call: GPU tests of the device-side table and the cache, then the decode benchmark.
 # Usage on the GPU machine, after MLX is staged (README): bash benchmarks/gpu_session.sh [LAYERS] [REPEATS]
+# The benchmark runs the 99% budget with both slot lookups; with MOEFLUX_DEVICE_TABLE=1 set, every
+# budget below 100% uses the (experimental) device-side table and the extra 99% row is the host sync.
 set -u
 LAYERS=${1:-8}
 REPEATS=${2:-5}
