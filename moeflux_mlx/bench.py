@@ -324,14 +324,15 @@ def summary_lines(result: dict) -> List[str]:
     for key, what in (("sync_overhead_ms_per_layer", "host sync"),
                       ("device_lookup_overhead_ms_per_layer", "device-side table lookup")):
         if result.get(key) is not None:
+            note = " (negative: within run-to-run noise)" if result[key] < 0 else ""
             out.append(f"Slot lookup overhead per MoE layer, {what} (99% budget, nearly all "
-                       f"hits, vs 100%, nothing to look up): {result[key]:.3f} ms")
+                       f"hits, vs 100%, nothing to look up): {result[key]:.3f} ms{note}")
     out += [f"FAILED: {f}" for f in result.get("failures", [])]
     paired = result.get("paired_resident")
     if paired:
         out.append("All experts resident vs stock, alternating runs: stock "
-                   + ", ".join(f"{v:.0f}" for v in paired["stock_tps"]) + " tok/s; moeflux "
-                   + ", ".join(f"{v:.0f}" for v in paired["moeflux_tps"])
+                   + ", ".join(f"{v:.3g}" for v in paired["stock_tps"]) + " tok/s; moeflux "
+                   + ", ".join(f"{v:.3g}" for v in paired["moeflux_tps"])
                    + f" tok/s; median ratio {paired['median_ratio']:.2f}x")
     return out
 
