@@ -36,6 +36,8 @@ class ExpertPool:
     arrays: Dict[str, mx.array]
     quantization: Optional[Quantization]  # of gate/up (fc1)
     overrides: Dict[str, Quantization] = field(default_factory=dict)  # projections that differ
+    # per call shape, what a backend worked out once for this pool (kernels.KernelBackend)
+    plans: Dict[tuple, object] = field(default_factory=dict, repr=False, compare=False)
 
     def quant(self, projection: str) -> Optional[Quantization]:
         return self.overrides.get(projection, self.quantization)

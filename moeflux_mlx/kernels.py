@@ -22,13 +22,18 @@ from __future__ import annotations
 
 import hashlib
 import importlib.resources
+import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
 from .backends import is_plain_swiglu
+
+log = logging.getLogger(__name__)
+_UNPLANNED = object()
 
 DIALECTS = ("metal", "cuda")
 SUPPORTED_BITS = (4, 8)
@@ -220,24 +225,40 @@ def _check_proj(a: Dict[str, mx.array], proj: str, out_dim: int, in_dim: int, bi
     return n
 
 
+SLOT_DTYPES = (mx.int32, mx.uint32)  # the kernels read either as a slot number
+
+
 def _tokens_slots(x: mx.array, slots: mx.array) -> Tuple[mx.array, mx.array]:
     if x.ndim != 2 or slots.ndim != 2 or slots.shape[0] != x.shape[0]:
         raise ValueError(f"expected x [T, D] and slots [T, K], got {x.shape} and {slots.shape}")
-    return mx.contiguous(x), mx.contiguous(slots.astype(mx.int32))
+    if slots.dtype not in SLOT_DTYPES:
+        slots = slots.astype(mx.int32)
+    return mx.contiguous(x), mx.contiguous(slots)
 
 
-def _launch(kind: str, x, pool_arrays, slots, bits, group_size, dialect, config, init_value,
-            in_dim, out_dim):
+@dataclass
+class Launch:
+    """One kernel launch with everything but its two varying inputs worked out and checked:
+    call it with ``x [T, in]`` and ``slots [T, K]`` (contiguous, int32/uint32)."""
+
+    kernel: object
+    arrays: List[mx.array]
+    kwargs: dict
+
+    def __call__(self, x: mx.array, slots: mx.array, init_value: Optional[float] = None) -> mx.array:
+        return self.kernel(inputs=[x, slots, *self.arrays], init_value=init_value, **self.kwargs)[0]
+
+
+def _prepare(kind: str, dtype, pool_arrays, n_tok: int, topk: int, bits, group_size, dialect,
+             config, in_dim, out_dim) -> Launch:
     _check_dialect(dialect)
     _check_quant(bits, group_size)
     if in_dim % group_size or in_dim % (128 // bits):
         raise ValueError(f"{kind}: input dim {in_dim} is not whole groups of {group_size}")
-    if x.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{kind}: activations must be float16/bfloat16/float32, not {x.dtype}")
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{kind}: activations must be float16/bfloat16/float32, not {dtype}")
     if 4 * (in_dim + _chunks(in_dim, bits)) > SHARED_LIMIT[dialect]:
         raise ValueError(f"{kind}: input dim {in_dim} too large for threadgroup memory")
-    x, slots = _tokens_slots(x, slots)
-    n_tok, topk = slots.shape
     pairs = n_tok * topk
     cfg = dict(default_config(kind, in_dim, out_dim, bits, pairs), **(config or {}))
     _check_config(kind, cfg, in_dim, bits)
@@ -245,17 +266,22 @@ def _launch(kind: str, x, pool_arrays, slots, bits, group_size, dialect, config,
     rows_per_group = rows_per_iter * cfg["rpw"]
     n_groups = math.ceil(out_dim / rows_per_group)
     nt = cfg["nw"] * 32
-    template = [("T", x.dtype), ("BITS", bits), ("GSZ", group_size), ("IN_DIM", in_dim),
+    template = [("T", dtype), ("BITS", bits), ("GSZ", group_size), ("IN_DIM", in_dim),
                 ("OUT_DIM", out_dim), ("TOPK", topk), ("LPR", cfg["lpr"]), ("NW", cfg["nw"]),
                 ("RPW", cfg["rpw"])]
     if kind == "down":
         template.append(("NR", cfg["nr"]))
-    arrays = [pool_arrays[k] for k in _POOL_KEYS[kind]]
-    out_shape = (n_tok, topk, out_dim)
-    return _kernel(kind, dialect)(
-        inputs=[x, slots, *arrays], template=template, grid=(n_groups * nt, pairs, 1),
-        threadgroup=(nt, 1, 1), output_shapes=[out_shape], output_dtypes=[x.dtype],
-        init_value=init_value)[0]
+    return Launch(_kernel(kind, dialect), [pool_arrays[k] for k in _POOL_KEYS[kind]],
+                  dict(template=template, grid=(n_groups * nt, pairs, 1), threadgroup=(nt, 1, 1),
+                       output_shapes=[(n_tok, topk, out_dim)], output_dtypes=[dtype]))
+
+
+def _launch(kind: str, x, pool_arrays, slots, bits, group_size, dialect, config, init_value,
+            in_dim, out_dim):
+    x, slots = _tokens_slots(x, slots)
+    launch = _prepare(kind, x.dtype, pool_arrays, *slots.shape, bits, group_size, dialect,
+                      config, in_dim, out_dim)
+    return launch(x, slots, init_value)
 
 
 def glu_matvec(x: mx.array, pool_arrays: Dict[str, mx.array], slots: mx.array, *, bits: int,
@@ -287,8 +313,7 @@ def down_matvec(h: mx.array, pool_arrays: Dict[str, mx.array], slots: mx.array, 
     out_dim = a["down_proj.weight"].shape[1]
     _check_quant(bits, group_size)
     _check_proj(a, "down_proj", out_dim, in_dim, bits, group_size)
-    return _launch("down", h.reshape(-1, in_dim), a,
-                   mx.contiguous(slots.astype(mx.int32)).reshape(-1, 1), bits, group_size,
+    return _launch("down", h.reshape(-1, in_dim), a, slots.reshape(-1, 1), bits, group_size,
                    dialect, config, init_value, in_dim, out_dim).reshape(*h.shape[:2], out_dim)
 
 
@@ -399,15 +424,36 @@ class KernelBackend:
         return None
 
     def __call__(self, x: mx.array, slots: mx.array, pool, activation) -> mx.array:
-        if self.route(x, slots, pool, activation) is not None:
+        # decode calls this once per MoE layer and token: the checks and launch shapes are worked
+        # out once per pool and call shape (``pool.plans``), so only the launches remain here
+        key = (self.dialect, x.shape, x.dtype, slots.shape, slots.dtype, type(activation))
+        plan = pool.plans.get(key, _UNPLANNED)
+        if plan is _UNPLANNED:
+            plan = pool.plans[key] = self._plan(x, slots, pool, activation)
+        if plan is None:
             return self.fallback(x, slots, pool, activation)
+        glu, down = plan
+        hid, topk = x.shape[-1], slots.shape[-1]
+        s2 = slots.reshape(-1, topk)
+        if s2.dtype not in SLOT_DTYPES:
+            s2 = s2.astype(mx.int32)
+        h = glu(mx.contiguous(x.reshape(-1, hid)), mx.contiguous(s2))
+        y = down(h.reshape(-1, h.shape[-1]), mx.contiguous(s2.reshape(-1, 1)))
+        return y.reshape(*x.shape[:-1], topk, hid)
+
+    def _plan(self, x, slots, pool, activation) -> Optional[Tuple[Launch, Launch]]:
+        """The two launches for calls shaped like this one, or None: the fallback takes them."""
+        why = self.route(x, slots, pool, activation)
+        if why is not None:
+            log.debug("%s kernels not used for x %s, slots %s: %s", self.dialect, x.shape,
+                      slots.shape, why)
+            return None
         q = pool.quantization
         hid, topk = x.shape[-1], slots.shape[-1]
-        lead = tuple(x.shape[:-1])
-        x2 = x.reshape(-1, hid)
-        s2 = slots.reshape(-1, topk)
-        h = glu_matvec(x2, pool.arrays, s2, bits=q.bits, group_size=q.group_size,
-                       dialect=self.dialect)
-        y = down_matvec(h, pool.arrays, s2, bits=q.bits, group_size=q.group_size,
-                        dialect=self.dialect)
-        return y.reshape(*lead, topk, hid)
+        n_tok = math.prod(x.shape[:-1])
+        inter = pool.arrays["gate_proj.weight"].shape[1]
+        glu = _prepare("glu", x.dtype, pool.arrays, n_tok, topk, q.bits, q.group_size,
+                       self.dialect, None, hid, inter)
+        down = _prepare("down", x.dtype, pool.arrays, n_tok * topk, 1, q.bits, q.group_size,
+                        self.dialect, None, inter, hid)
+        return glu, down

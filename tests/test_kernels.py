@@ -352,6 +352,13 @@ def test_backend_matches_ops(dtype, n_tok):
     assert kb.route(x, slots, pool, SwiGLU()) is None
     a = kb(x, slots, pool, SwiGLU())
     b = OpsBackend()(x, slots, pool, SwiGLU())
+    # the second call takes the launch plan worked out by the first, with new inputs
+    (plan,) = pool.plans.values()
+    assert plan is not None
+    x2 = mx.random.normal((1, n_tok, hid)).astype(dtype)
+    slots2 = make_slots(rng, n_tok, topk, n).reshape(1, n_tok, topk).astype(mx.uint32)
+    a2 = kb(x2, slots2, pool, SwiGLU())
+    assert _rel(_np(a2), _np(OpsBackend()(x2, slots2, pool, SwiGLU()))) < TOL_OPS[dtype]
     assert a.shape == b.shape == (1, n_tok, topk, hid) and a.dtype == b.dtype == dtype
     err = _rel(_np(a), _np(b))
     RESULTS.append(("backend-vs-ops", dict(shape="qwen3-30b-a3b", dtype=DNAME[dtype], T=n_tok), err))
@@ -491,6 +498,26 @@ def test_backend_routing_and_fallback_cpu():
     if DIALECT is None:  # here nothing is available: even covered calls fall back, exactly
         assert "not available" in kb.route(x1, s1, pool4, SwiGLU())
         assert mx.array_equal(kb(x1, s1, pool4, SwiGLU()), ops(x1, s1, pool4, SwiGLU())).item()
+
+
+def test_backend_plans_once_per_pool_and_shape():
+    """Routing is worked out once per pool and call shape; a fallback decision is kept too."""
+    kb = K.KernelBackend("cuda", OpsBackend())
+    calls = []
+    route = kb.route
+    kb.route = lambda *a, **k: calls.append(a[0].shape) or route(*a, **k)
+    pool = _cpu_pool()
+    rng = np.random.default_rng(1)
+    for n_tok in (1, 1, 2, 1, 2):
+        x = mx.random.normal((1, n_tok, 256))
+        s = make_slots(rng, n_tok, 4, 6).reshape(1, n_tok, 4)
+        with mx.stream(mx.cpu):
+            assert mx.array_equal(kb(x, s, pool, SwiGLU()), OpsBackend()(x, s, pool, SwiGLU())).item()
+    assert calls == [(1, 1, 256), (1, 2, 256)]
+    assert len(pool.plans) == 2 and all(p is None for p in pool.plans.values())  # no GPU here
+    other = _cpu_pool()
+    kb(mx.random.normal((1, 1, 256)), s[:, :1], other, SwiGLU())
+    assert len(calls) == 3 and len(other.plans) == 1  # a new pool plans anew
 
 
 def test_wrappers_validate_before_launch():
