@@ -26,12 +26,13 @@ last use (-1 free), the request's experts and the copy list (staging row -> slot
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional
 
 import mlx.core as mx
@@ -97,6 +98,7 @@ class TableLayer:
     copy_src: np.ndarray  # staging row ...
     copy_dst: np.ndarray  # ... -> slot, for the next fill
     meta: Optional[mx.array] = None
+    launches: dict = field(default_factory=dict)  # experts per call -> _Launches
 
 
 class ControlBlock:
@@ -186,6 +188,7 @@ def _defines(**values) -> str:
     return "".join(f"#define MF_{k} {v}\n" for k, v in values.items())
 
 
+@functools.lru_cache(maxsize=None)
 def _header() -> str:
     return (load_source("prelude_cuda.cuh") + "\n" + load_source("table_cuda.cuh") + "\n"
             + _defines(H_ERR=H_ERR, H_NREQ=H_NREQ, H_NCOPY=H_NCOPY, H_WAITS=H_WAITS,
@@ -198,52 +201,65 @@ def _named(kind: str, header: str, body: str) -> str:
     return f"moeflux_{kind}_{hashlib.sha1((header + body).encode()).hexdigest()[:10]}"
 
 
-_KERNELS: Dict[str, object] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _resolve_kernel():
-    k = _KERNELS.get("resolve")
-    if k is None:
-        header, body = _header(), load_source("resolve_cuda.cuh")
-        k = _KERNELS["resolve"] = mx.fast.cuda_kernel(
-            name=_named("resolve", header, body), input_names=["inds", "meta"],
-            output_names=["slots"], source=body, header=header)
-    return k
+    header, body = _header(), load_source("resolve_cuda.cuh")
+    return mx.fast.cuda_kernel(name=_named("resolve", header, body), input_names=["inds", "meta"],
+                               output_names=["slots"], source=body, header=header)
 
 
-def _fill_kernel(layout: ExpertLayout):
-    """One fill kernel per expert layout: the component offsets and sizes are compiled in."""
-    comps = layout.components
+@functools.lru_cache(maxsize=None)
+def _fill_kernel(blob_size: int, components: tuple):
+    """One fill kernel per expert layout: the component offsets and sizes
+    (``components``: ``(offset, nbytes)`` each) are compiled in."""
     copies = "".join(
-        f"    mf_copy_component<{c.nbytes}ll>(s + {c.offset}, const_cast<uint8_t*>(p{i}) + d * "
-        f"{c.nbytes}ll, poison, gtid, gsize);\n" for i, c in enumerate(comps))
-    header = _header() + _defines(BLOB=f"{layout.blob_size}ll")
+        f"    mf_copy_component<{nbytes}ll>(s + {offset}, const_cast<uint8_t*>(p{i}) + d * "
+        f"{nbytes}ll, poison, gtid, gsize);\n" for i, (offset, nbytes) in enumerate(components))
+    header = _header() + _defines(BLOB=f"{blob_size}ll")
     body = load_source("fill_cuda.cuh").replace("MF_COPY_COMPONENTS", copies)
-    name = _named("fill", header, body)
-    k = _KERNELS.get(name)
-    if k is None:
-        k = _KERNELS[name] = mx.fast.cuda_kernel(
-            name=name, input_names=["slots", "meta", *[f"p{i}" for i in range(len(comps))]],
-            output_names=["out_slots"], source=body, header=header)
-    return k
+    return mx.fast.cuda_kernel(
+        name=_named("fill", header, body),
+        input_names=["slots", "meta", *[f"p{i}" for i in range(len(components))]],
+        output_names=["out_slots"], source=body, header=header)
+
+
+@dataclass
+class _Launches:
+    """A layer's resolve and fill launches for calls of ``n`` experts, worked out once: decode
+    makes them once per layer and token."""
+
+    meta: mx.array
+    fill: object
+    resolve_kwargs: dict
+    fill_kwargs: dict
+
+    @classmethod
+    def make(cls, control: ControlBlock, layer: int, layout: ExpertLayout, n: int) -> "_Launches":
+        threads = _round(max(n, 1), 32)
+        comps = tuple((c.offset, c.nbytes) for c in layout.components)
+        return cls(control.meta(layer, layout.blob_size), _fill_kernel(layout.blob_size, comps),
+                   dict(template=[("N", n)], grid=(threads, 1, 1), threadgroup=(threads, 1, 1),
+                        output_shapes=[(n,)], output_dtypes=[mx.uint32]),
+                   dict(template=[("N", n)], grid=(FILL_BLOCKS * FILL_THREADS, 1, 1),
+                        threadgroup=(FILL_THREADS, 1, 1), output_shapes=[(n,)],
+                        output_dtypes=[mx.uint32]))
 
 
 def resolve(control: ControlBlock, layer: int, indices: mx.array, raw: Dict[str, mx.array],
             layout: ExpertLayout) -> mx.array:
     """Lazy slots for ``indices`` (one token's experts), made resident on the way (see above).
     The layer's staging (``control.staging_for``) must exist."""
+    t = control.layers[layer]
     n = indices.size
-    meta = control.meta(layer, layout.blob_size)
-    inds = indices.reshape(-1).astype(mx.uint32)
-    threads = _round(max(n, 1), 32)
-    slots = _resolve_kernel()(
-        inputs=[inds, meta], template=[("N", n)], grid=(threads, 1, 1),
-        threadgroup=(threads, 1, 1), output_shapes=[(n,)], output_dtypes=[mx.uint32])[0]
+    launch = t.launches.get(n)
+    if launch is None:
+        launch = t.launches[n] = _Launches.make(control, layer, layout, n)
+    inds = indices.reshape(-1)
+    if inds.dtype != mx.uint32:
+        inds = inds.astype(mx.uint32)
+    slots = _resolve_kernel()(inputs=[inds, launch.meta], **launch.resolve_kwargs)[0]
     pools = [raw[c.name] for c in layout.components]
-    filled = _fill_kernel(layout)(
-        inputs=[slots, meta, *pools], template=[("N", n)],
-        grid=(FILL_BLOCKS * FILL_THREADS, 1, 1), threadgroup=(FILL_THREADS, 1, 1),
-        output_shapes=[(n,)], output_dtypes=[mx.uint32])[0]
+    filled = launch.fill(inputs=[slots, launch.meta, *pools], **launch.fill_kwargs)[0]
     return filled.reshape(indices.shape)
 
 
