@@ -11,11 +11,13 @@ when matplotlib is installed, a PNG of tok/s against cache budget.
 from __future__ import annotations
 
 import gc
+import contextlib
 import json
 import logging
 import os
 import platform
 import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -75,6 +77,41 @@ def drop_page_cache(files: Sequence[Path]) -> None:
             os.close(fd)
 
 
+class PageCacheDropper:
+    """Drops the files' pages from the page cache every ``period_s``, on a thread of its own, for
+    as long as it runs: reads that follow are cold, as if the experts were many times RAM.
+
+    Nothing is excluded from the timed region: the drops run beside the decode (fadvise releases
+    the GIL), on a core of their own. Mapped pages cannot be dropped this way (mmap runs are cold
+    only at their start)."""
+
+    def __init__(self, files: Sequence[Path], period_s: float = 1e-3):
+        self.files, self.period_s = list(files), period_s
+        self.drops = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="moeflux-bench-dropper", daemon=True)
+
+    def _run(self) -> None:
+        fds = [os.open(f, os.O_RDONLY) for f in self.files]
+        try:
+            while not self._stop.wait(self.period_s):
+                for fd in fds:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                self.drops += 1
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def __enter__(self):
+        drop_page_cache(self.files)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
 def read_bandwidth(path: Path, reads: int = 256, threads: int = 8, seed: int = 0):
     """Bytes/s of random expert-sized reads: (cold, after dropping the page cache; warm, the
     same reads again from the page cache)."""
@@ -106,10 +143,9 @@ def read_bandwidth(path: Path, reads: int = 256, threads: int = 8, seed: int = 0
             os.close(fd)
 
 
-def _time_generation(model, prompt: mx.array, decode_tokens: int, on_first=None, each=None):
+def _time_generation(model, prompt: mx.array, decode_tokens: int, on_first=None):
     """Greedy decode; returns (prompt_tps, decode_tps, tokens, decode seconds). ``on_first`` runs
-    after the first token (end of prefill), before decode timing starts; ``each`` after every
-    token, and its time is not counted."""
+    after the first token (end of prefill), before decode timing starts."""
     mx.synchronize()
     t0 = time.perf_counter()
     gen = generate_step(prompt, model, max_tokens=decode_tokens + 1)
@@ -119,15 +155,10 @@ def _time_generation(model, prompt: mx.array, decode_tokens: int, on_first=None,
     if on_first:
         on_first()
     t2 = time.perf_counter()
-    excluded = 0.0
     for tok, _ in gen:
         tokens.append(int(tok))
-        if each:
-            t = time.perf_counter()
-            each()
-            excluded += time.perf_counter() - t
     mx.synchronize()
-    decode_s = time.perf_counter() - t2 - excluded
+    decode_s = time.perf_counter() - t2
     return prompt.size / (t1 - t0), (len(tokens) - 1) / decode_s, tokens, decode_s
 
 
@@ -161,13 +192,15 @@ def _run_moeflux(path, prompt, decode_tokens, io_mode, budget_fraction, cold, ba
         files = expert_files(path)
         if cold:
             drop_page_cache(files)
-        # pread + cold: drop the page cache after every token too, as if the experts were many
-        # times RAM (mapped pages of mmap mode cannot be dropped that way: cold only at start)
-        each = (lambda: drop_page_cache(files)) if cold and rt.store.io_mode == "pread" else None
+        # pread + cold: keep dropping the page cache while decoding, as if the experts were many
+        # times RAM (mapped pages cannot be dropped: mmap runs are cold only at their start)
+        dropping = (PageCacheDropper(files) if cold and rt.store.io_mode == "pread"
+                    else contextlib.nullcontext())
         mx.reset_peak_memory()
         rt.reset_stats()
-        ptps, dtps, tokens, decode_s = _time_generation(model, prompt, decode_tokens,
-                                                        on_first=rt.reset_stats, each=each)
+        with dropping:
+            ptps, dtps, tokens, decode_s = _time_generation(model, prompt, decode_tokens,
+                                                            on_first=rt.reset_stats)
         t = rt.stats.total()
         n = max(len(tokens) - 1, 1)
         table = getattr(rt.cache, "control", None) is not None
@@ -207,19 +240,50 @@ def sync_overhead(runs: List[Run], moe_layers: int, lookup: str = "host") -> Opt
     return min(deltas) if deltas else None
 
 
-def _paired_resident(path, stock_path, prompt, decode_tokens, io_mode, backend, n) -> dict:
-    """Stock, then moeflux with every expert resident, ``n`` times: decode tok/s of each, and the
-    median of the per-pair ratios."""
+def _paired_resident(path, stock_path, prompt, decode_tokens, io_mode, backends, n) -> dict:
+    """Stock mlx-lm and moeflux with every expert resident (one model per backend), all loaded
+    at once and decoding in turn, ``n`` rounds: decode tok/s of each, and per backend the median
+    of its per-round ratio to stock (slow drifts of the machine hit both sides of a round)."""
     import statistics
 
-    pairs = []
-    for _ in range(n):
-        s = _run_stock(stock_path, prompt, decode_tokens).decode_tps
-        m = _run_moeflux(path, prompt, decode_tokens, io_mode, 1.0, cold=False, bandwidth=None,
-                         backend=backend).decode_tps
-        pairs.append((s, m))
-    return {"stock_tps": [p[0] for p in pairs], "moeflux_tps": [p[1] for p in pairs],
-            "median_ratio": statistics.median(m / s for s, m in pairs)}
+    import mlx_lm
+
+    import moeflux_mlx
+
+    models = {"stock mlx-lm": mlx_lm.load(str(stock_path))[0]}
+    try:
+        for b in backends:
+            m, _ = moeflux_mlx.load(path, expert_io=io_mode, cache_budget="all", backend=b)
+            name = f"moeflux {m.moeflux.backend.name}"
+            if name in models:
+                m.moeflux.close()
+                continue
+            models[name] = m
+        for m in models.values():
+            _time_generation(m, prompt[:8], 4)  # warm-up: kernels, allocator, resident fills
+        tps = {k: [] for k in models}
+        for _ in range(n):
+            for k, m in models.items():
+                tps[k].append(_time_generation(m, prompt, decode_tokens)[1])
+    finally:
+        for m in models.values():
+            if hasattr(m, "moeflux"):
+                m.moeflux.close()
+        del models
+        gc.collect()
+        mx.clear_cache()
+    stock = tps.pop("stock mlx-lm")
+    return {"rounds": n, "stock_tps": stock,
+            "moeflux": {k: {"tps": v, "median_ratio": statistics.median(
+                m / s for s, m in zip(stock, v))} for k, v in tps.items()}}
+
+
+def paired_backends(backend: Optional[str]) -> tuple:
+    """Backends for the all-resident comparison: the one asked for, or on a GPU both the plain
+    ops and the fused kernels (``auto``)."""
+    if backend is not None:
+        return (backend,)
+    return ("ops", "auto") if mx.default_device() == mx.gpu else ("auto",)
 
 
 def fits_for_stock(path: Path) -> bool:
@@ -233,9 +297,10 @@ def run_benchmark(path, *, budgets=(1.0, 0.5, 0.25, 0.0), io_modes=("mmap", "pre
                   backend=None, prefetch=(False,), seed=0, repeats=1) -> dict:
     """Run every configuration and return a result dict (see ``write_results``).
 
-    Where the device-side table is available, the 99% budget runs with both slot lookups (host
-    sync per layer, device-side table), for the comparison. ``repeats`` > 1 runs stock and the all-resident configuration
-    that many more times, alternating, for medians that see through run-to-run noise."""
+    Where the device-side table is available, budgets below 100% run with both slot lookups
+    (host sync per layer, device-side table), for the comparison. ``repeats`` > 1 also loads stock and
+    the all-resident configuration side by side and lets them decode in turn that many times,
+    for ratios that see through run-to-run noise."""
     from . import device_table
     path = Path(path)
     mx.random.seed(seed)
@@ -248,25 +313,26 @@ def run_benchmark(path, *, budgets=(1.0, 0.5, 0.25, 0.0), io_modes=("mmap", "pre
     elif stock:
         log.warning("stock mlx-lm skipped: %s is a converted directory or does not fit in memory",
                     stock_path)
+    # budgets below 100% run with both slot lookups where the device-side table is available
+    lookups = (False, True) if device_table.available() else (None,)
     for io_mode in io_modes:
         for frac in budgets:
             for pf in prefetch if frac < 1 else (False,):
-                runs.append(_run_moeflux(path, prompt, decode_tokens, io_mode, frac, cold=frac < 1,
-                                         bandwidth=bandwidth, backend=backend, prefetch=pf))
-            if round(frac, 2) == 0.99 and device_table.available():  # the other lookup too
-                try:
-                    runs.append(_run_moeflux(path, prompt, decode_tokens, io_mode, frac, cold=True,
-                                             bandwidth=bandwidth, backend=backend,
-                                             device_table=not device_table.enabled()))
-                except DeviceWaitError as e:  # the experimental path stalled: say so, go on
-                    log.warning("%s 99%% with the device-side table failed: %s", io_mode, e)
-                    failures.append(f"{io_mode} 99% device table: {e}")
+                for table in lookups if frac < 1 and not pf else (None,):
+                    try:
+                        runs.append(_run_moeflux(path, prompt, decode_tokens, io_mode, frac,
+                                                 cold=frac < 1, bandwidth=bandwidth,
+                                                 backend=backend, prefetch=pf, device_table=table))
+                    except DeviceWaitError as e:  # the table path stalled: say so, go on
+                        log.warning("%s %.0f%% with the device-side table failed: %s", io_mode,
+                                    100 * frac, e)
+                        failures.append(f"{io_mode} {frac:.0%} device table: {e}")
     ref = runs[0] if runs and runs[0].name.startswith("stock") else None
     for r in runs:
         if ref is not None:
             r.ratio_to_stock = r.decode_tps / ref.decode_tps
-    paired = _paired_resident(path, stock_path, prompt, decode_tokens, io_modes[0], backend,
-                              repeats - 1) if ref is not None and repeats > 1 else None
+    paired = _paired_resident(path, stock_path, prompt, decode_tokens, io_modes[0],
+                              paired_backends(backend), repeats) if ref is not None and repeats > 1 else None
     layers = _moe_layers(path)
     return {
         "sync_overhead_ms_per_layer": sync_overhead(runs, layers),
@@ -330,10 +396,13 @@ def summary_lines(result: dict) -> List[str]:
     out += [f"FAILED: {f}" for f in result.get("failures", [])]
     paired = result.get("paired_resident")
     if paired:
-        out.append("All experts resident vs stock, alternating runs: stock "
-                   + ", ".join(f"{v:.3g}" for v in paired["stock_tps"]) + " tok/s; moeflux "
-                   + ", ".join(f"{v:.3g}" for v in paired["moeflux_tps"])
-                   + f" tok/s; median ratio {paired['median_ratio']:.2f}x")
+        line = (f"All experts resident vs stock, all loaded in one process and decoding in turn, "
+                f"{paired['rounds']} rounds: stock " + ", ".join(f"{v:.3g}" for v in paired["stock_tps"])
+                + " tok/s")
+        for name, r in paired["moeflux"].items():
+            line += (f"; {name} " + ", ".join(f"{v:.3g}" for v in r["tps"])
+                     + f" tok/s, median ratio to stock {r['median_ratio']:.2f}x")
+        out.append(line)
     return out
 
 
@@ -404,8 +473,9 @@ def add_args(p) -> None:
     p.add_argument("--bench-backend", default=None, help="expert backend (default: auto)")
     p.add_argument("--no-stock", action="store_true", help="skip stock mlx-lm")
     p.add_argument("--repeats", type=int, default=1,
-                   help="run stock and the all-resident configuration this many times, "
-                        "alternating, and report the median ratio (run-to-run noise)")
+                   help="with N > 1: also load stock and the all-resident configuration (on a GPU "
+                        "with the ops and the kernel backends) side by side and let them decode "
+                        "in turn N times; report the median ratio (run-to-run noise)")
     p.add_argument("--machine", default=None, help="machine label for the results file name")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
 

@@ -24,3 +24,25 @@ def test_benchmark_runs_and_writes_results(tiny_checkpoints, tmp_path):
     assert json.loads(files[0].read_text())["runs"] == result["runs"]
     md = files[1].read_text()
     assert "| config | io | cache |" in md and "identical to stock mlx-lm: 5/5" in md
+
+
+def test_paired_resident_rounds(tiny_checkpoints):
+    src, packed = tiny_checkpoints["qwen3_moe"]
+    result = bench.run_benchmark(packed, stock_path=src, budgets=(1.0,), io_modes=("mmap",),
+                                 prompt_tokens=8, decode_tokens=4, repeats=2)
+    paired = result["paired_resident"]
+    assert paired["rounds"] == 2 and len(paired["stock_tps"]) == 2
+    (name, r), = paired["moeflux"].items()  # on the CPU: one backend, ops
+    assert name == "moeflux ops" and len(r["tps"]) == 2 and r["median_ratio"] > 0
+    assert any("decoding in turn, 2 rounds" in line for line in bench.summary_lines(result))
+
+
+def test_page_cache_dropper_drops_while_it_runs(tiny_checkpoints):
+    _, packed = tiny_checkpoints["qwen3_moe"]
+    files = bench.expert_files(packed)
+    with bench.PageCacheDropper(files, period_s=1e-3) as dropper:
+        import time
+        deadline = time.monotonic() + 5
+        while dropper.drops < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert dropper.drops >= 3 and not dropper._thread.is_alive()
