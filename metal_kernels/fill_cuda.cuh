@@ -1,17 +1,19 @@
-  // ---- fill: copy the experts the host just read (host-resident staging) into their slots.
+  // ---- fill: copy the experts the miss server just read (pinned staging) into their slots.
   // Runs after resolve (it consumes resolve's slots and passes them on, so the expert kernels
-  // that follow depend on it). The copy list is empty unless the host served a miss for this
-  // call; after a failed read the host flags it and the slots are filled with NaN bytes.
-  // Inputs: slots [N], meta, then one uint8 pool array [n_slots, bytes] per expert component
+  // that follow depend on it). It copies only when resolve made a request in this very call
+  // (slots[N] != 0): the copy list is then the server's answer to it. After a failed read the
+  // server flags it and the slots are filled with NaN bytes.
+  // Inputs: slots [N + 1], meta, then one uint8 pool array [n_slots, bytes] per expert component
   // (the copy lines below are generated); the staging [rows, MF_BLOB] comes by address.
-  // Output: out_slots.
+  // Output: out_slots [N].
   int* c = mf_ptr<int>(meta, MF_META_CTRL);
   const uint8_t* staging = mf_ptr<const uint8_t>(meta, MF_META_STAGING);
   const int base = meta[2], csrc = meta[6], cdst = meta[7];
   __shared__ int n, poison, src[MF_MAXN], dst[MF_MAXN];
   if (threadIdx.x == 0) {
-    n = mf_ld_relaxed(c + base + MF_H_NCOPY);
-    poison = mf_ld_relaxed(c + base + MF_H_ERR) != 0;
+    const bool mine = slots[N] != 0u;
+    n = mine ? mf_ld_acquire(c + base + MF_H_NCOPY) : 0;
+    poison = mine ? int(mf_ld_relaxed(c + base + MF_H_ERR) != 0) : 0;
   }
   __syncthreads();
   for (int i = int(threadIdx.x); i < n; i += int(blockDim.x)) {

@@ -1,15 +1,18 @@
   // ---- resolve: router indices -> pool slots through the device-side table.
   // One block; thread t < N looks up expert inds[t]. When every expert is resident the host is
-  // not involved at all. Otherwise thread 0 publishes the request and waits for the host thread
-  // to read the missing experts and update the table (the GPU idles, the rest of the graph
-  // stays enqueued), then every thread reads its slot again.
-  // Inputs: inds [N] uint32, meta (offsets and addresses, see device_table.py). Output: slots [N].
+  // not involved at all. Otherwise thread 0 publishes the request and waits for the miss server
+  // (another process) to read the missing experts and update the table (the GPU idles, the
+  // rest of the graph stays enqueued), then every thread reads its slot again.
+  // Inputs: inds [N] uint32, meta (offsets and addresses, see device_table.py).
+  // Output: slots [N + 1]; slots[N] is this call's request number, 0 when nothing was missed
+  // (fill copies only for a request of its own call). The GPU never writes a word the server
+  // writes (control_block.py), except last_used.
   int* c = mf_ptr<int>(meta, MF_META_CTRL);
   const int req_at = meta[0], done_at = meta[1], base = meta[2], tab = meta[3], last = meta[4],
             reqi = meta[5], n_experts = meta[8], fault_at = meta[9], tick_at = meta[10];
-  __shared__ int miss, bad, tick;
+  __shared__ int miss, bad, calls, tick, seq;
   const int t = int(threadIdx.x);
-  if (t == 0) { miss = 0; bad = 0; }
+  if (t == 0) { miss = 0; bad = 0; seq = 0; }
   __syncthreads();
   int e = -1;
   if (t < N) {
@@ -19,16 +22,16 @@
   }
   __syncthreads();
   if (t == 0) {
-    tick = mf_ld_relaxed(c + tick_at) + 1;  // this layer's LRU clock: one tick per call
-    mf_st_relaxed(c + base + MF_H_NCOPY, 0);  // nothing for fill to copy unless the host says so
+    calls = mf_ld_relaxed(c + tick_at) + 1;  // GPU calls of this layer, this one included
+    tick = calls + mf_ld_relaxed(c + base + MF_H_HOST_TICKS);  // the LRU clock: every call
     if (bad) {
       mf_st_relaxed(c + fault_at, MF_FAULT_INDEX);
     } else if (miss) {
       for (int i = 0; i < N; ++i) mf_st_relaxed(c + reqi + i, int(inds[i]));
       mf_st_relaxed(c + base + MF_H_NREQ, N);
-      const int seq = mf_ld_relaxed(c + done_at) + 1;
+      seq = mf_ld_relaxed(c + done_at) + 1;
       mf_st_release(c + req_at, seq);  // publishes the request words above
-      __threadfence_system();  // and pushes it out now, not when the kernel ends
+      __threadfence_system();
       // %globaltimer may be stepped by the driver, even backwards: sum only forward steps
       unsigned long long prev = mf_clock_ns(), waited = 0;
       while (mf_ld_acquire(c + done_at) != seq) {
@@ -48,13 +51,14 @@
   }
   __syncthreads();
   if (t < N) {
-    int s = bad ? -1 : mf_ld_relaxed(c + tab + e);
+    int s = bad ? -1 : mf_ld_acquire(c + tab + e);
     if (s < 0) s = 0;  // only after a fault (flagged above): the host raises it
     slots[t] = uint32_t(s);
     mf_st_relaxed(c + last + s, tick);
   }
+  if (t == 0) slots[N] = uint32_t(seq);
   __syncthreads();
   if (t == 0) {
-    mf_st_release(c + tick_at, tick);  // the call is done (the host's in-flight count)
+    mf_st_release(c + tick_at, calls);  // the call is done (the host's in-flight count)
     __threadfence_system();
   }

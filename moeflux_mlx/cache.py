@@ -19,7 +19,6 @@ in-order stream, so a pool never changes under a pending read.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import re
@@ -32,14 +31,14 @@ import psutil
 
 from . import device_table
 from .backends import MX_DTYPES, ExpertPool
-from .errors import ExpertReadError
+from .control_block import HOST_ADMIT, HOST_RELEASE
 from .layout import ExpertLayout, ModelLayout
-from .stats import LayerStats
+from .lru import SlotLRU
+from .counters import LayerStats, Stats
 from .store import ExpertStore  # or a prefetch.Prefetcher, which reads like one
 from .upload import device_slot_writes, host_array, host_view
 
 log = logging.getLogger(__name__)
-_NO_LOCK = contextlib.nullcontext()
 
 DEFAULT_RAM_FRACTION = 0.4  # of physical RAM, when no budget is given and the experts do not fit
 FILL_CHUNK_BYTES = 64 << 20
@@ -163,7 +162,7 @@ class StagingCache:
     def check(self) -> None:
         pass
 
-    def settle(self) -> None:
+    def settle(self, stats: Stats) -> None:
         pass
 
     def _pool(self, layer: int, n: int) -> SlotPool:
@@ -191,53 +190,12 @@ class StagingCache:
         self.pools.clear()
 
 
-class _LRU:
-    """Slot bookkeeping of one layer. With the device-side table, ``slot_of``, ``last_used``
-    and the clock are views into its control block, shared with the GPU."""
-
-    def __init__(self, num_experts: int, n_slots: int, table=None, clock: Optional[np.ndarray] = None):
-        self.slot_of = table.slot_of if table is not None else np.full(num_experts, -1, np.int64)
-        self.last_used = table.last_used if table is not None else np.full(n_slots, -1, np.int64)
-        self.expert_in = np.full(n_slots, -1, np.int64)  # slot -> expert (only the host needs it)
-        self.clock = clock if clock is not None else np.zeros(1, np.int64)  # one tick per call
-
-    def admit(self, experts: np.ndarray, tick: int) -> Tuple[np.ndarray, np.ndarray]:
-        """Mark the resident ones used; pick and free a victim slot for each missing one (free
-        slots first, then the least recently used not needed now). Returns (missing, victims).
-
-        Victims are freed before their new bytes are written: an interrupted write must not
-        leave a slot that claims an expert whose bytes never arrived."""
-        slots = self.slot_of[experts]
-        hit = slots >= 0
-        self.last_used[slots[hit]] = tick
-        missing = experts[~hit]
-        if not missing.size:
-            return missing, slots[:0]
-        victims = np.argpartition(self.last_used, missing.size - 1)[:missing.size]
-        old = self.expert_in[victims]
-        self.slot_of[old[old >= 0]] = -1
-        self.expert_in[victims] = -1
-        self.last_used[victims] = -1
-        return missing, victims
-
-    def assign(self, missing: np.ndarray, victims: np.ndarray, tick: int) -> None:
-        self.slot_of[missing] = victims
-        self.expert_in[victims] = missing
-        self.last_used[victims] = tick
-
-    def release(self, experts: np.ndarray) -> None:
-        slots = self.slot_of[experts]
-        slots = slots[slots >= 0]
-        self.slot_of[experts] = -1
-        self.expert_in[slots] = -1
-        self.last_used[slots] = -1
-
-
 class ExpertCache:
     """Slot pools under a byte budget, split over layers by their size; LRU eviction.
 
     With ``use_table`` (CUDA, see device_table.py), decode calls on partially cached layers
-    look their slots up on the GPU and only the GPU waits, on misses; other calls sync."""
+    look their slots up on the GPU and only the GPU waits, on misses, for the miss server
+    process, which owns those layers' LRU; their synced calls ask it to admit experts."""
 
     name = "lru"
 
@@ -251,19 +209,22 @@ class ExpertCache:
             share = budget_bytes * lay.layer_bytes / total if total else 0
             self.n_slots[i] = int(min(lay.num_experts, share // lay.blob_size))
         self.pools: Dict[int, SlotPool] = {}  # allocated on a layer's first use
-        self.lru: Dict[int, _LRU] = {}
+        self.lru: Dict[int, SlotLRU] = {}  # layers without the table
         self.resident: Dict[int, ExpertPool] = {}
         self.staging = DeviceStaging() if device_slot_writes() else None
         self.overflow = StagingCache(store, self.staging)
-        self.control: Optional[device_table.ControlBlock] = None
-        self.service: Optional[device_table.MissService] = None
+        self.control = None
+        self.server: Optional[device_table.MissServer] = None
+        self._streams: list = []  # streams table calls were enqueued on (mlx-lm uses its own)
         partial = {i: (layout.layers[i].num_experts, n) for i, n in self.n_slots.items()
                    if 0 < n < layout.layers[i].num_experts}
         if use_table and partial:
-            self.control = device_table.ControlBlock(partial)
-            self.service = device_table.MissService(self.control, self._serve)
-        self._layer_stats: Dict[int, LayerStats] = {}
-        self._poisoned: list = []  # (layer, experts) whose slots hold NaN bytes after a failed read
+            self.control = device_table.make_control(partial)
+            try:  # the server opens the same expert files (a prefetcher reads like the store)
+                self.server = device_table.MissServer(self.control, getattr(store, "store", store))
+            except BaseException:
+                self.control.close()
+                raise
 
     @property
     def capacity_bytes(self) -> int:
@@ -272,115 +233,99 @@ class ExpertCache:
     def resident_pool(self, layer: int) -> Optional[ExpertPool]:
         return self.resident.get(layer)
 
+    def _table(self, layer: int):
+        return self.control.layers.get(layer) if self.control is not None else None
+
+    def slot_of(self, layer: int) -> Optional[np.ndarray]:
+        """expert -> slot (-1: absent) of a partially cached layer, once it was used."""
+        t = self._table(layer)
+        if t is not None:
+            return t.slot_of
+        lru = self.lru.get(layer)
+        return None if lru is None else lru.slot_of
+
     def absent(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """Those of ``experts`` a fetch would have to read."""
         if layer in self.resident:
             return experts[:0]
-        lru = self.lru.get(layer)
-        return experts if lru is None else experts[lru.slot_of[experts] < 0]
+        slot_of = self.slot_of(layer)
+        return experts if slot_of is None else experts[slot_of[experts] < 0]
 
-    def _layer(self, layer: int) -> Tuple[SlotPool, _LRU]:
+    def _pool(self, layer: int) -> SlotPool:
         pool = self.pools.get(layer)
         if pool is None:
             n_slots, layout = self.n_slots[layer], self.store.layout(layer)
             pool = self.pools[layer] = SlotPool(layout, n_slots, self.staging)
-            table = self.control.layers.get(layer) if self.control is not None else None
-            clock = self.control.ticks[table.index:table.index + 1] if table is not None else None
-            self.lru[layer] = _LRU(layout.num_experts, n_slots, table, clock)
-        return pool, self.lru[layer]
+            if self._table(layer) is None and n_slots < layout.num_experts:
+                self.lru[layer] = SlotLRU(layout.num_experts, n_slots)
+        return pool
 
     def fetch(self, layer: int, experts: np.ndarray, stats: LayerStats) -> Tuple[np.ndarray, ExpertPool]:
         n_slots, layout = self.n_slots[layer], self.store.layout(layer)
         if len(experts) > n_slots:
             # more experts than slots (a long prefill on a small budget): stage them uncached
             return self.overflow.fetch(layer, experts, stats)
-        pool, lru = self._layer(layer)
+        pool = self._pool(layer)
         if n_slots == layout.num_experts:
             self._fill_layer(layer, pool, stats)
             stats.experts_missed += len(experts)
             return experts.astype(np.uint32), pool.pool
-        with self._table_lock():
-            tick = self._tick(layer, lru)
-            missing, victims = lru.admit(experts, tick)
-            if missing.size:
+        table = self._table(layer)
+        if table is not None:
+            missing, victims = self.server.host_request(layer, HOST_ADMIT, experts)
+        else:
+            lru = self.lru[layer]
+            lru.clock[0] += 1
+            missing, victims = lru.admit(experts, int(lru.clock[0]))
+        if missing.size:
+            try:
                 blobs = _read(self.store, layer, missing, stats, pool.read_buffer(missing.size))
                 _write(pool, victims, blobs, stats)
-                lru.assign(missing, victims, tick)
-                stats.experts_missed += missing.size
-            slots = lru.slot_of[experts]
-        return slots.astype(np.uint32), pool.pool
-
-    def _tick(self, layer: int, lru: _LRU) -> int:
-        lru.clock[0] += 1
-        if self.service is not None and layer in self.control.layers:
-            self.service.enqueued(layer)  # a host-side call counts like a GPU one
-        return int(lru.clock[0])
-
-    def _table_lock(self):
-        return self.service._lock if self.service is not None else _NO_LOCK
+            except BaseException:  # the victims were freed: nothing claims bytes that never came
+                if table is not None:
+                    self.server.host_request(layer, HOST_RELEASE, missing)
+                raise
+            if table is None:
+                lru.assign(missing, victims, int(lru.clock[0]))
+            stats.experts_missed += missing.size
+        return self.slot_of(layer)[experts].astype(np.uint32), pool.pool
 
     # -- the device-side table (decode on CUDA) ---------------------------------------------
 
     def can_resolve(self, layer: int, indices: mx.array) -> bool:
-        if self.control is None or layer not in self.control.layers:
+        if self._table(layer) is None:
             return False
         return indices.size == indices.shape[-1] and device_table.fits(indices.size, self.n_slots[layer])
 
     def resolve(self, layer: int, indices: mx.array, stats: LayerStats) -> Tuple[mx.array, ExpertPool]:
-        """Lazy slots of one token's experts; misses are served while the GPU waits."""
-        pool, _ = self._layer(layer)
-        self._layer_stats[layer] = stats
+        """Lazy slots of one token's experts; the GPU waits for the miss server on misses."""
+        pool = self._pool(layer)
         layout = pool.layout
-        self.control.staging_for(layout.blob_size, device_table.staging_rows(indices.shape[-1]))
-        slots = device_table.resolve(self.control, layer, indices, pool.raw, layout)
-        self.service.enqueued(layer)
+        stream = mx.default_stream(mx.default_device())
+        if stream not in self._streams:
+            self._streams.append(stream)
+        staging = self.server.staging_for(layout.blob_size,
+                                          device_table.staging_rows(indices.shape[-1]))
+        slots = device_table.resolve(self.control, staging, layer, indices, pool.raw, layout)
+        self.server.enqueued(layer)
         return slots, pool.pool
 
-    def _serve(self, layer: int, experts: np.ndarray) -> None:
-        """The miss service's work for one request (runs on its thread, the GPU waiting)."""
-        t = self.control.layers[layer]
-        lru = self.lru[layer]
-        stats = self._layer_stats[layer]
-        tick = int(lru.clock[0]) + 1  # the waiting call's tick; the GPU stores it when done
-        missing, victims = lru.admit(experts, tick)
-        n = missing.size
-        # plain numpy: the service thread never calls into MLX (an MLX call could wait on the
-        # GPU, which may be waiting on this very thread)
-        staging = self.control.staging[self.store.layout(layer).blob_size].array.reshape(
-            -1, self.store.layout(layer).blob_size)
-        if n > staging.shape[0]:
-            raise ExpertReadError(f"layer {layer}: {n} missed experts in one call, staging "
-                                  f"holds {staging.shape[0]}")
-        try:
-            t.header[device_table.H_ERR] = 0
-            _read(self.store, layer, missing, stats, staging[:n])
-            stats.experts_missed += n
-        except BaseException:
-            t.header[device_table.H_ERR] = 1  # fill writes NaN bytes into these slots
-            self._poisoned.append((layer, missing))
-            raise
-        finally:
-            lru.assign(missing, victims, tick)
-            t.copy_src[:n] = np.arange(n)
-            t.copy_dst[:n] = victims
-            t.header[device_table.H_NCOPY] = n
-
     def check(self) -> None:
-        """Serve pending misses from this thread, and raise what the service ran into."""
-        if self.service is None:
-            return
-        self.service.poll()
-        if self.service.errors or self._poisoned:
-            with self._table_lock():
-                poisoned, self._poisoned = self._poisoned, []
-                for layer, experts in poisoned:
-                    self.lru[layer].release(experts)
-        self.service.check()
+        """Raise what the miss server or the GPU ran into since the last call."""
+        if self.server is not None:
+            self.server.check()
 
-    def settle(self) -> None:
-        """Wait for enqueued work, so that the counters include the misses it served."""
-        if self.service is not None:
-            mx.synchronize()
+    def synchronize(self) -> None:
+        """Wait for every enqueued table call, on whichever stream it was enqueued."""
+        for stream in self._streams:
+            mx.synchronize(stream)
+        mx.synchronize()
+
+    def settle(self, stats: Stats) -> None:
+        """Wait for enqueued work, then count the misses the server read for it in ``stats``."""
+        if self.server is not None:
+            self.synchronize()
+            self.server.fold_stats(stats.layer)
 
     def _fill_layer(self, layer: int, pool: SlotPool, stats: LayerStats) -> None:
         """Read the whole layer once, in bounded chunks; afterwards slot == expert id."""
@@ -395,8 +340,11 @@ class ExpertCache:
         self.resident[layer] = pool.pool
 
     def close(self) -> None:
-        if self.service is not None:
-            self.service.close()
+        if self.server is not None:
+            try:
+                self.synchronize()  # a GPU wait still enqueued is answered before the server stops
+            finally:
+                self.server.close()
         self.pools.clear()
         self.resident.clear()
         self.overflow.close()

@@ -8,8 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
 
-from mlx_lm.utils import load_config
-
 from .errors import CheckpointError, LayoutError, UnsupportedQuantizationError
 from .layout import FORMAT_VERSION, ExpertLayout, ModelLayout, Quantization, layer_file_name
 from .safetensors_index import TensorRange, index_directory
@@ -41,6 +39,8 @@ def read_config(path: Path) -> dict:
     if not path.is_dir():
         raise CheckpointError(f"{path}: {'not a directory' if path.exists() else 'no such directory'}")
     try:
+        from mlx_lm.utils import load_config  # here: the miss server process never needs it
+
         config = load_config(path)
     except FileNotFoundError as e:
         raise CheckpointError(f"{path}: no config.json; not an mlx-lm checkpoint") from e

@@ -11,7 +11,7 @@
     ├── ExpertReadError (OSError)           a read failed during generation (EIO, short read, truncated)
     ├── ExpertIndexError (IndexError)       the router asked for an expert the layer does not have
     ├── ModelClosedError (RuntimeError)     the model was closed
-    ├── DeviceWaitError (RuntimeError)      the GPU gave up waiting for the host's expert reads
+    ├── DeviceWaitError (RuntimeError)      the GPU gave up waiting for the miss server, or it died
     └── ConvertError                        convert could not finish (DST exists, write failed, verify)
 """
 
@@ -58,8 +58,8 @@ class ModelClosedError(MoefluxError, RuntimeError):
 
 class DeviceWaitError(MoefluxError, RuntimeError):
     """With the device-side slot table (CUDA), the GPU waited longer than its timeout for the
-    host thread that reads missed experts, or was handed an expert index out of range. The
-    model's state is no longer trusted: load it again."""
+    miss server process that reads missed experts, was handed an expert index out of range, or
+    the miss server died. The model's state is no longer trusted: load it again."""
 
 
 class ConvertError(MoefluxError):

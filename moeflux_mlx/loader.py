@@ -24,7 +24,7 @@ from .errors import CheckpointError, LayoutError, ModelClosedError
 from .layout import ExpertLayout, ModelLayout
 from .module import StreamingSwitchGLU
 from .prefetch import Prefetcher, next_gates
-from .stats import Stats
+from .counters import Stats
 from .store import ExpertStore, open_store
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class StreamingRuntime:
         return self._stats
 
     def stats_dict(self) -> dict:
-        self.cache.settle()  # misses served on the GPU's behalf are counted when they happen
+        self.cache.settle(self._stats)  # what the miss server read is counted when it is asked
         d = self._stats.to_dict()
         d.update(io_mode=self.store.io_mode, cache=self.cache.name, backend=self.backend.name,
                  prefetch=self.prefetcher is not None,
@@ -57,6 +57,7 @@ class StreamingRuntime:
         return d
 
     def reset_stats(self) -> None:
+        self.cache.settle(self._stats)  # what was read so far counts before the reset
         self._stats.reset()
 
     def check_open(self) -> None:
@@ -153,8 +154,8 @@ def load(path, *, expert_io: Optional[str] = None, backend: Optional[str] = None
     a fraction of RAM, ``"all"``, or 0 for none (default: all experts if they fit in 0.4 x RAM).
     ``prefetch``: read the experts the next layer's router would pick for this layer's input
     in the background (see ``prefetch.py``). ``device_table``: on CUDA, decode looks slots up
-    on the GPU and syncs with the host only on misses (default: on where available; see
-    ``device_table.py``; ``MOEFLUX_DEVICE_TABLE=0|1``).
+    on the GPU and only the GPU waits, only on misses, for a helper process that reads them
+    (default: off; see ``device_table.py``; ``MOEFLUX_DEVICE_TABLE=0|1``).
     Returns ``(model, tokenizer)`` like ``mlx_lm.load``; ``model.moeflux`` is the runtime
     (``stats_dict()``, ``reset_stats()``, ``close()``)."""
     path = Path(path)

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .stats import Stats
+from .counters import Stats
 from .store import ExpertStore
 
 log = logging.getLogger(__name__)

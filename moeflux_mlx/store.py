@@ -326,6 +326,19 @@ class ExpertStore:
                 self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="moeflux-read")
             return self._pool
 
+    def spec(self) -> dict:
+        """What ``store_from_spec`` needs to open the same experts in another process."""
+        layers = {}
+        for i, src in self.layers.items():
+            d = {"layout": src.layout.to_dict()}
+            if isinstance(src, PackedLayer):
+                d["file"] = str(src.path)
+            else:
+                d["ranges"] = {c.name: {"file": str(r.file), "dtype": r.dtype, "shape": list(r.shape),
+                                        "start": r.start, "nbytes": r.nbytes} for c, r in src.parts}
+            layers[str(i)] = d
+        return {"io_mode": self.io_mode, "threads": self.threads, "layers": layers}
+
     def close(self) -> None:
         """Join the read threads, unmap and close every file. Idempotent."""
         with self._lock:
@@ -369,3 +382,24 @@ def open_store(path: Path, io_mode: Optional[str] = None, threads: int = 8) -> t
         raise
     mode = select_expert_io(model_layout.total_expert_bytes, io_mode)
     return ExpertStore(layers, mode, threads), model_layout
+
+
+def store_from_spec(spec: dict) -> ExpertStore:
+    """The store ``ExpertStore.spec()`` describes (opened again, e.g. in the miss server)."""
+    layers = {}
+    try:
+        for k, d in spec["layers"].items():
+            i = int(k)
+            layout = ExpertLayout.from_dict(d["layout"], f"layer {i}")
+            if "file" in d:
+                layers[i] = PackedLayer(i, layout, Path(d["file"]))
+            else:
+                ranges = {name: TensorRange(Path(r["file"]), r["dtype"], tuple(r["shape"]),
+                                            int(r["start"]), int(r["nbytes"]))
+                          for name, r in d["ranges"].items()}
+                layers[i] = SafetensorsLayer(i, layout, ranges)
+    except BaseException:
+        for src in layers.values():
+            src.close()
+        raise
+    return ExpertStore(layers, spec["io_mode"], int(spec["threads"]))

@@ -17,12 +17,13 @@ import ctypes
 import ctypes.util
 import functools
 import logging
-import mmap
 import os
 from typing import Optional
 
 import mlx.core as mx
 import numpy as np
+
+from .control_block import SharedMapping
 
 log = logging.getLogger(__name__)
 
@@ -94,16 +95,16 @@ def host_staging(shape) -> Optional[mx.array]:
     return arr
 
 
-class PinnedBuffer:
-    """Page-locked host memory mapped for the GPU (``cudaHostRegister``), outside MLX's
-    allocator: a numpy view for the host, a device address for kernels.
+class PinnedBuffer(SharedMapping):
+    """Shared memory (``control_block.SharedMapping``: another process can map it too) that is
+    page-locked and mapped for the GPU (``cudaHostRegister``), outside MLX's allocator: a numpy
+    view for the host, a device address for kernels.
 
-    Where CUDA's runtime cannot be reached it is plain memory (``device_ptr`` 0): enough for the
-    host side and for tests that stand in for the kernels."""
+    Where CUDA's runtime cannot be reached it is plain shared memory (``device_ptr`` 0): enough
+    for the host side and for tests that stand in for the kernels."""
 
     def __init__(self, nbytes: int):
-        self._map = mmap.mmap(-1, max(nbytes, 1))  # page-aligned, zeroed
-        self.array = np.frombuffer(self._map, np.uint8)[:nbytes]
+        super().__init__(nbytes)
         self.device_ptr = 0
         self._registered = False
         rt = _cudart()
@@ -111,8 +112,9 @@ class PinnedBuffer:
             return
         lib = rt[0]
         ptr = ctypes.c_void_p(self.array.ctypes.data)
-        err = lib.cudaHostRegister(ptr, ctypes.c_size_t(len(self._map)), 3)  # portable | mapped
+        err = lib.cudaHostRegister(ptr, ctypes.c_size_t(len(self.map)), 3)  # portable | mapped
         if err:
+            super().close()
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed (error {err})")
         self._registered = True
         dev = ctypes.c_void_p()
@@ -126,6 +128,7 @@ class PinnedBuffer:
         if self._registered:
             self._registered = False
             _cudart()[0].cudaHostUnregister(ctypes.c_void_p(self.array.ctypes.data))
+        super().close()
 
 
 def host_array(shape) -> mx.array:

@@ -32,6 +32,7 @@ SERVER = r"""
 import hashlib, importlib, json, os, random, shutil, signal, sys, threading, time
 from pathlib import Path
 C = importlib.import_module("moeflux_mlx.convert")
+import mlx_lm.utils  # convert imports it on first use: import it once here, not in every attempt
 src, work, seed, n_random = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 assert threading.active_count() == 1  # safe to fork
 
@@ -131,6 +132,8 @@ for i in range(n_random):
         delay = rng.uniform(0.0, duration * 1.05)
         killed, _, _ = attempt(dst, True, delay=delay)
         kills.append([round(delay, 3), killed])
+        if not killed:  # it finished before the kill: there is no run left to resume
+            break
     report["random"].append({"kills": kills, **after_kill(dst)})
 
 for k in range(1, commits + 1):

@@ -2,10 +2,11 @@
 
 The resolve and fill kernels are CUDA (test_kernels runs them on a GPU). Here a Python reference
 of what they do stands in for them, operating on the same control block, while everything else
-runs as shipped: the cache's table bookkeeping, the miss service thread, errors, and the
-synced path sharing the table during prefill."""
+runs as shipped: the miss server process, the cache's table bookkeeping, errors, and the synced
+path sharing the table during prefill."""
 
-import threading
+import ctypes
+import os
 import time
 
 import mlx.core as mx
@@ -15,37 +16,46 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import moeflux_mlx
+from moeflux_mlx import control_block as cb
 from moeflux_mlx import device_table as dt
 from moeflux_mlx.checkpoint import expert_layout
 from moeflux_mlx.errors import DeviceWaitError, ExpertReadError
-from moeflux_mlx.upload import host_view
+from moeflux_mlx.store import open_store
+from moeflux_mlx.upload import PinnedBuffer, host_view
 
 
-def reference_resolve(control, layer, indices, raw, layout):
+def _wait_answer(control, i, seq, timeout=10):
+    deadline = time.monotonic() + timeout
+    while control.answers[i] != seq:  # the miss server process answers
+        assert time.monotonic() < deadline, "the miss server never answered"
+        time.sleep(1e-4)
+
+
+def reference_resolve(control, staging, layer, indices, raw, layout):
     """What resolve_cuda.cuh + fill_cuda.cuh do, eagerly, from the main thread."""
     t = control.layers[layer]
+    i = t.index
     inds = np.array(indices).reshape(-1).astype(np.int64)
-    tick = int(control.ticks[t.index]) + 1
-    t.header[dt.H_NCOPY] = 0
+    calls = int(control.ticks[i]) + 1
+    tick = calls + int(t.header[cb.H_HOST_TICKS])
+    seq = 0
     if (t.slot_of[inds] < 0).any():
         t.request[:inds.size] = inds
-        t.header[dt.H_NREQ] = inds.size
-        seq = int(control.answers[t.index]) + 1
-        control.requests[t.index] = seq
-        deadline = time.monotonic() + 10
-        while control.answers[t.index] != seq:  # the service thread answers
-            assert time.monotonic() < deadline, "the miss service never answered"
-            time.sleep(1e-4)
+        t.header[cb.H_NREQ] = inds.size
+        seq = int(control.answers[i]) + 1
+        control.requests[i] = seq
+        _wait_answer(control, i, seq)
     slots = t.slot_of[inds].copy()
     assert (slots >= 0).all()
     t.last_used[slots] = tick
-    n, poison = int(t.header[dt.H_NCOPY]), bool(t.header[dt.H_ERR])
-    rows = control.staging[layout.blob_size].array.reshape(-1, layout.blob_size)
-    for k in range(n):
-        for c in layout.components:
-            dst = host_view(raw[c.name])[t.copy_dst[k]]
-            dst[:] = 0xFF if poison else rows[t.copy_src[k], c.offset:c.offset + c.nbytes]
-    control.ticks[t.index] = tick
+    if seq:
+        n, poison = int(t.header[cb.H_NCOPY]), bool(t.header[cb.H_ERR])
+        rows = staging.array.reshape(-1, layout.blob_size)
+        for k in range(n):
+            for c in layout.components:
+                dst = host_view(raw[c.name])[t.copy_dst[k]]
+                dst[:] = 0xFF if poison else rows[t.copy_src[k], c.offset:c.offset + c.nbytes]
+    control.ticks[i] = calls
     return mx.array(slots.astype(np.uint32)).reshape(indices.shape)
 
 
@@ -74,19 +84,25 @@ def _greedy(model, prompt, n=24):
 
 
 def _pool_holds_the_right_experts(rt):
-    """Every slot the table names holds exactly that expert's bytes from disk."""
-    mx.synchronize()  # fills run on the GPU after the host's answer; a step may still be in flight
-    for layer, lru in rt.cache.lru.items():
-        pool = rt.cache.pools[layer]
+    """Every slot the table names holds exactly that expert's bytes from disk, one per slot."""
+    rt.cache.synchronize()  # fills run after the server's answers, on mlx-lm's own stream
+    checked = 0
+    for layer, pool in rt.cache.pools.items():
+        slot_of = rt.cache.slot_of(layer)
+        if slot_of is None:
+            continue
         mx.eval(list(pool.raw.values()))
-        experts = np.flatnonzero(lru.slot_of >= 0)
+        experts = np.flatnonzero(slot_of >= 0)
         if not experts.size:
             continue
+        slots = slot_of[experts]
+        assert len(set(slots.tolist())) == slots.size, f"layer {layer}: two experts in one slot"
         blobs = rt.store.read(layer, experts)
         for c in pool.layout.components:
-            got = np.array(pool.raw[c.name])[lru.slot_of[experts]]
+            got = np.array(pool.raw[c.name])[slots]
             assert (got == blobs[:, c.offset:c.offset + c.nbytes]).all(), (layer, c.name)
-        assert (lru.expert_in[lru.slot_of[experts]] == experts).all()
+        checked += experts.size
+    return checked
 
 
 @pytest.mark.parametrize("fraction", [0.3, 0.6])
@@ -100,8 +116,9 @@ def test_decode_through_the_table_is_exact(table_on_cpu, reference, fraction):
         t = rt.stats.total()
         assert t.unsynced_calls > 0 and t.calls > t.unsynced_calls  # decode via the table, prefill synced
         assert 0 < t.experts_missed < t.experts_routed
-        _pool_holds_the_right_experts(rt)
-        assert not rt.cache.service.errors and rt.cache.control.fault() is None
+        assert _pool_holds_the_right_experts(rt)
+        assert rt.cache.control.fault() is None and not rt.cache.control.globals[cb.G_ERRORS]
+        rt.cache.check()
 
 
 def test_same_misses_as_the_synced_cache(table_on_cpu, reference):
@@ -120,30 +137,31 @@ def test_same_misses_as_the_synced_cache(table_on_cpu, reference):
     assert tokens[0] == tokens[1]
 
 
-def test_failed_read_raises_at_the_next_call_then_recovers(table_on_cpu, reference, monkeypatch):
+def test_failed_read_raises_at_the_next_call_then_recovers(table_on_cpu, reference):
+    """A read the miss server cannot do (the layer file truncated under it) poisons the slots
+    it was filling, raises an error naming the file at the next call, and frees those slots;
+    once the file is back, generation is exact again."""
     packed, prompt, want, total = reference
     model, _ = moeflux_mlx.load(packed, cache_budget=int(0.3 * total), expert_io="pread",
                                 backend="ops")
+    layer0 = min(expert_layout(packed).layers)
+    path = packed / "packed_experts" / f"layer_{layer0:02d}.bin"
+    data = path.read_bytes()
     with model.moeflux as rt:
-        store_read = rt.store.read
-        failed = []
-
-        def flaky(layer, experts, out=None):
-            if threading.current_thread().name == "moeflux-miss-service" and not failed:
-                failed.append((layer, experts.copy()))
-                raise ExpertReadError(f"layer {layer}: injected read failure")
-            return store_read(layer, experts, out)
-
-        monkeypatch.setattr(rt.store, "read", flaky)
-        with pytest.raises(ExpertReadError, match="injected"):
-            _greedy(model, prompt)
-        assert failed
-        layer, experts = failed[0]
-        assert not rt.cache._poisoned
-        # the poisoned slots were released: nothing claims bytes that never arrived
-        assert (rt.cache.lru[layer].slot_of[experts] < 0).all()
-        _pool_holds_the_right_experts(rt)
+        # a one-token prompt: no synced prefill, the very first call goes through the table
+        with open(path, "r+b") as f:
+            f.truncate(0)
+        try:
+            with pytest.raises(ExpertReadError, match=f"layer_{layer0:02d}.bin.*layer {layer0}"):
+                _greedy(model, prompt[:1], n=4)
+        finally:
+            with open(path, "r+b") as f:
+                f.write(data)
+        assert not rt.cache.control.globals[cb.G_PENDING_RELEASE]
+        _pool_holds_the_right_experts(rt)  # the poisoned slots were freed
+        rt.cache.check()  # the error was reported once
         assert _greedy(model, prompt) == want
+        assert _pool_holds_the_right_experts(rt)
 
 
 def test_gpu_fault_raises(table_on_cpu, reference):
@@ -161,40 +179,125 @@ def test_gpu_fault_raises(table_on_cpu, reference):
 
 
 def test_control_block_regions_do_not_overlap():
-    layers = {1: (128, 40), 3: (64, 64 - 1), 4: (256, 8)}
-    c = dt.ControlBlock(layers)
-    owner = np.zeros(c.words.size, np.int64)
-    base = c.words.ctypes.data
-    views = [c.requests, c.answers, c.faults, c.ticks]
+    layers = {1: (128, 40), 3: (64, 64 - 1), 4: (256, 8), 6: (512, 100)}
+    c = dt.make_control(layers)
+    owner = np.zeros(c.buffer.array.size, np.int64)
+    base = c.buffer.array.ctypes.data
+    views = [c.globals, c.message] + [getattr(c, v) for v in cb.VECTORS]
     for t in c.layers.values():
-        views += [t.header, t.slot_of, t.last_used, t.request, t.copy_src, t.copy_dst]
+        views += [t.header, t.slot_of, t.last_used, t.request, t.copy_src, t.copy_dst,
+                  t.host_request, t.host_missing, t.host_victims, t.stats]
         assert t.slot_of.size == t.num_experts and t.last_used.size == t.n_slots
+        assert t.host_request.size >= t.n_slots and t.request.size == cb.MAX_SELECTIONS
         assert (t.slot_of == -1).all() and (t.last_used == -1).all()
     for v in views:
-        start = (v.ctypes.data - base) // 4
-        assert (owner[start:start + v.size] == 0).all()
-        owner[start:start + v.size] = 1
+        start = v.ctypes.data - base
+        assert (owner[start:start + v.nbytes] == 0).all()
+        owner[start:start + v.nbytes] = 1
+    staging = PinnedBuffer(128)
     for layer, t in c.layers.items():
-        c.staging_for(64, 2)
-        m = np.array(c.meta(layer, 64)).tolist()
-        assert len(m) == dt.META_STAGING + 2
+        m = np.array(dt._meta(c, staging, layer)).tolist()
+        assert len(m) == cb.META_STAGING + 2
         assert c.words[m[3]:m[3] + t.num_experts].ctypes.data == t.slot_of.ctypes.data
-        assert m[0] == t.index and m[1] == len(layers) + t.index
+        assert c.words[m[0]:].ctypes.data == c.requests[t.index:].ctypes.data
+        assert c.words[m[10]:].ctypes.data == c.ticks[t.index:].ctypes.data
+    # a second mapping of the same memory (what the miss server sees) shares every word
+    other = cb.ControlBlock(layers, fd=os.dup(c.fd))
+    other.layers[4].slot_of[7] = 3
+    assert c.layers[4].slot_of[7] == 3 and (other.layers[1].slot_of == -1).all()
+    other.close()
+    staging.close()
+    c.close()
 
 
-def test_service_stops_promptly_when_idle():
-    c = dt.ControlBlock({0: (8, 4)})
-    svc = dt.MissService(c, lambda layer, experts: None)
+@pytest.fixture
+def tiny_store(tiny_checkpoints):
+    _, packed = tiny_checkpoints["qwen3_moe"]
+    store, layout = open_store(packed, "pread")
+    yield store, layout
+    store.close()
+
+
+def _server(store, layout, n_slots=4):
+    control = dt.make_control({i: (lay.num_experts, n_slots) for i, lay in layout.layers.items()})
+    return dt.MissServer(control, store)
+
+
+def test_server_answers_while_this_process_holds_the_gil(tiny_store):
+    """The reason the miss server is a process: MLX may block this process's thread inside a
+    call that holds the GIL (mx.async_eval) while the GPU waits. A request published before such
+    a block is answered during it."""
+    store, layout = tiny_store
+    server = _server(store, layout)
+    try:
+        c = server.control
+        layer = c.order[0]
+        t = c.layers[layer]
+        server.staging_for(layout.layers[layer].blob_size, 4)
+        t.request[:2] = [3, 5]
+        t.header[cb.H_NREQ] = 2
+        c.requests[t.index] = 1
+        libc = ctypes.PyDLL(None)  # a PyDLL call keeps the GIL for its whole duration
+        libc.usleep(500_000)
+        assert c.answers[t.index] == 1, "not answered while the GIL was held"
+        assert (t.slot_of[[3, 5]] >= 0).all() and t.header[cb.H_NCOPY] == 2
+        rows = server.staging[layout.layers[layer].blob_size].array.reshape(
+            -1, layout.layers[layer].blob_size)
+        assert (rows[:2] == store.read(layer, np.array([3, 5]))).all()
+        assert t.stats[cb.S_READ] == 2 and t.stats[cb.S_MISSED] == 2
+    finally:
+        server.close()
+
+
+def test_host_requests_admit_and_release(tiny_store):
+    store, layout = tiny_store
+    server = _server(store, layout, n_slots=3)
+    try:
+        layer = server.control.order[0]
+        t = server.control.layers[layer]
+        missing, victims = server.host_request(layer, cb.HOST_ADMIT, np.array([2, 9]))
+        assert missing.tolist() == [2, 9] and sorted(t.slot_of[[2, 9]]) == sorted(victims.tolist())
+        missing, _ = server.host_request(layer, cb.HOST_ADMIT, np.array([9, 11]))
+        assert missing.tolist() == [11]  # 9 was resident
+        missing, victims = server.host_request(layer, cb.HOST_ADMIT, np.array([4]))
+        assert victims.tolist() == [t.slot_of[4]] and t.slot_of[2] < 0  # LRU: 2 was oldest
+        server.host_request(layer, cb.HOST_RELEASE, np.array([4, 11]))
+        assert (t.slot_of[[4, 11]] < 0).all() and t.slot_of[9] >= 0
+        assert t.header[cb.H_HOST_TICKS] == 3  # admits advance the layer's LRU clock
+    finally:
+        server.close()
+
+
+def test_server_gone_raises(tiny_store):
+    store, layout = tiny_store
+    server = _server(store, layout)
+    try:
+        server.proc.kill()
+        server.proc.wait()
+        with pytest.raises(DeviceWaitError, match="miss server process exited"):
+            server.check()
+        with pytest.raises(DeviceWaitError, match="exited"):
+            server.host_request(server.control.order[0], cb.HOST_ADMIT, np.array([1]))
+    finally:
+        server.close()
+
+
+def test_server_stops_promptly_and_exits_with_its_parent_socket(tiny_store):
+    store, layout = tiny_store
+    server = _server(store, layout)
     t = time.perf_counter()
-    svc.close()
-    assert time.perf_counter() - t < 1 and not svc._thread.is_alive()
+    server.close()
+    assert time.perf_counter() - t < 2 and server.proc.poll() is not None
+    server = _server(store, layout)
+    server._sock.close()  # as if this process died: the server sees its socket close
+    assert server.proc.wait(timeout=5) == 0
+    server.control.close()
 
 
 def test_pinned_buffer_is_plain_memory_without_cuda():
-    from moeflux_mlx.upload import PinnedBuffer
-
     b = PinnedBuffer(10000)
     assert b.array.size == 10000 and b.array.ctypes.data % 4096 == 0 and not b.array.any()
+    assert b.fd >= 0  # another process can map it
     b.array[:] = 7
     b.close()
 

@@ -388,7 +388,7 @@ def test_convert_a_converted_directory(ckpt, tmp_path):
 
 PERMISSION_CHILD = """
 import json, os, pwd, sys
-import moeflux_mlx, mlx_lm.models.qwen3_moe  # everything imported while still root
+import moeflux_mlx, moeflux_mlx.loader, mlx_lm.models.qwen3_moe  # all imported while still root
 cases = json.loads(sys.argv[1])
 nobody = pwd.getpwnam("nobody")
 os.setgid(nobody.pw_gid)

@@ -1,0 +1,204 @@
+"""The miss server: a helper process that answers the device-side table's requests.
+
+Why a process and not a thread: while the GPU waits for a missed expert, the model's own thread
+may be blocked inside MLX (``mx.async_eval`` waiting on the GPU, ``mx.clear_cache``) holding
+Python's GIL, and a Python thread of that process could not run to answer: the GPU then waited
+until its timeout (benchmarks/table_stall_probe.py saw no poll at all for the whole wait). This
+process has its own interpreter and never imports MLX.
+
+It maps the control block and the staging buffers (shared memory, see control_block.py), opens
+the expert files itself, owns the LRU of every table layer, and loops: answer host requests
+(admit or release experts for the model process's synced calls), answer GPU requests (read the
+missing experts into the staging, pick victims, update the table and the copy list), release
+experts whose read failed once the GPU is past them. It exits when told to stop or when the
+model process goes away (its socket closes).
+
+Started by ``device_table.MissServer``: ``python -m moeflux_mlx.miss_server`` with a JSON spec
+on stdin.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import select
+import socket
+import sys
+import time
+from typing import Dict, List, Tuple
+
+import numpy as np
+
+from .control_block import (G_ERRORS, G_PENDING_RELEASE, G_READY, G_STOP, H_ERR, H_HOST_KIND,
+                            H_HOST_N, H_HOST_NMISS, H_HOST_TICKS, H_NCOPY, H_NREQ, HOST_ADMIT,
+                            HOST_RELEASE,
+                            S_BYTES, S_IO_NS, S_MISSED, S_READ, ControlBlock, SharedMapping)
+from .lru import SlotLRU
+from .store import store_from_spec
+
+log = logging.getLogger("moeflux_mlx.miss_server")
+
+IDLE_WAIT_S = 1e-3  # between polls while no table call is in flight
+STALL_S = 1.0  # in flight this long without progress: treated as idle (a graph never evaluated)
+
+
+class Server:
+    def __init__(self, spec: dict):
+        self.control = ControlBlock({int(k): v for k, v in spec["layers"].items()},
+                                    fd=spec["control_fd"])
+        self.store = store_from_spec(spec["store"])
+        self.sock = socket.socket(fileno=spec["socket_fd"])
+        self.sock.setblocking(False)
+        self.lrus = {layer: SlotLRU(t.num_experts, t.n_slots, t.slot_of, t.last_used)
+                     for layer, t in self.control.layers.items()}
+        self.staging: Dict[int, np.ndarray] = {}  # blob size -> [rows, blob size]
+        self._mappings: List[SharedMapping] = []
+        self.releases: List[Tuple[int, int, np.ndarray]] = []  # (index, GPU call, experts)
+        self.alive = True
+
+    # -- messages from the model process: staging buffers, wake-ups; EOF when it is gone ----
+
+    def _receive(self, block: bool) -> None:
+        self.sock.setblocking(block)
+        try:
+            while True:
+                msg, fds, _, _ = socket.recv_fds(self.sock, 4096, 4)
+                if not msg:
+                    self.alive = False
+                    return
+                if msg.startswith(b"{"):  # a staging buffer (anything else only wakes us)
+                    d = json.loads(msg)
+                    m = SharedMapping(d["nbytes"], fd=fds[0])
+                    self._mappings.append(m)
+                    self.staging[d["blob_size"]] = m.array.reshape(-1, d["blob_size"])
+                if block:
+                    return
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            self.alive = False
+        finally:
+            self.sock.setblocking(False)
+
+    def _staging(self, blob_size: int) -> np.ndarray:
+        while blob_size not in self.staging:  # sent before the GPU call that needs it
+            if not self.alive:
+                raise RuntimeError(f"no staging buffer for {blob_size}-byte experts")
+            self._receive(block=True)
+        return self.staging[blob_size]
+
+    # -- requests --------------------------------------------------------------------------
+
+    def answer_gpu(self, i: int) -> None:
+        c = self.control
+        layer = c.order[i]
+        t = c.layers[layer]
+        seq = int(c.requests[i])
+        lru = self.lrus[layer]
+        experts = np.unique(t.request[:int(t.header[H_NREQ])])
+        tick = c.clock(i) + 1  # the waiting call's tick; the GPU counts the call when done
+        missing, victims = lru.admit(experts, tick)
+        n = missing.size
+        t.header[H_ERR] = 0
+        try:
+            layout = self.store.layout(layer)
+            staging = self._staging(layout.blob_size)
+            if n > staging.shape[0]:
+                raise RuntimeError(f"layer {layer}: {n} missed experts in one call, the staging "
+                                   f"holds {staging.shape[0]}")
+            t0 = time.perf_counter_ns()
+            self.store.read(layer, missing, staging[:n])
+            t.stats[S_IO_NS] += time.perf_counter_ns() - t0
+            t.stats[S_READ] += n
+            t.stats[S_BYTES] += n * layout.blob_size
+            t.stats[S_MISSED] += n
+        except BaseException as e:  # the fill writes NaN bytes; released once the GPU is past
+            t.header[H_ERR] = 1
+            c.set_message(f"{e}" if str(e).startswith(("layer", "/")) else
+                          f"layer {layer}: reading experts {missing.tolist()} failed: {e}")
+            c.globals[G_PENDING_RELEASE] += 1
+            c.globals[G_ERRORS] += 1
+            self.releases.append((i, int(c.ticks[i]) + 1, missing.copy()))
+        finally:
+            lru.assign(missing, victims, tick)
+            t.copy_src[:n] = np.arange(n)
+            t.copy_dst[:n] = victims
+            t.header[H_NCOPY] = n
+            c.answers[i] = seq  # last: the GPU reads everything above once it sees this
+
+    def answer_host(self, i: int) -> None:
+        c = self.control
+        layer = c.order[i]
+        t = c.layers[layer]
+        seq = int(c.host_requests[i])
+        lru = self.lrus[layer]
+        experts = np.array(t.host_request[:int(t.header[H_HOST_N])], np.int64)
+        missing = experts[:0]
+        if t.header[H_HOST_KIND] == HOST_ADMIT:
+            tick = c.clock(i) + 1
+            missing, victims = lru.admit(np.unique(experts), tick)
+            lru.assign(missing, victims, tick)
+            t.header[H_HOST_TICKS] += 1
+            t.host_missing[:missing.size] = missing
+            t.host_victims[:missing.size] = victims
+        elif t.header[H_HOST_KIND] == HOST_RELEASE:
+            lru.release(experts)
+        t.header[H_HOST_NMISS] = missing.size
+        c.host_answers[i] = seq
+
+    def release_done(self) -> None:
+        """Free the slots of failed reads once the GPU has finished the call that got them."""
+        keep = []
+        for i, call, experts in self.releases:
+            if int(self.control.ticks[i]) >= call:
+                self.lrus[self.control.order[i]].release(experts)
+                self.control.globals[G_PENDING_RELEASE] -= 1
+            else:
+                keep.append((i, call, experts))
+        self.releases = keep
+
+    def run(self) -> None:
+        c = self.control
+        c.globals[G_READY] = 1
+        last_ticks, last_change = c.ticks.copy(), time.monotonic()
+        while self.alive and not c.globals[G_STOP]:
+            worked = False
+            for i in c.host_pending():
+                self.answer_host(int(i))
+                worked = True
+            for i in c.pending():
+                self.answer_gpu(int(i))
+                worked = True
+            if self.releases:
+                self.release_done()
+            if worked:
+                continue
+            if (c.ticks != last_ticks).any():
+                last_ticks, last_change = c.ticks.copy(), time.monotonic()
+            if (c.in_flight() or self.releases) and time.monotonic() - last_change < STALL_S:
+                time.sleep(0)  # the GPU may ask any moment: stay on a core, yield only
+            else:
+                r, _, _ = select.select([self.sock], [], [], IDLE_WAIT_S)
+                if r:
+                    self._receive(block=False)
+
+    def close(self) -> None:
+        self.store.close()
+        for m in self._mappings:
+            m.close()
+        self.control.close()
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.WARNING, format="moeflux miss server: %(message)s")
+    spec = json.loads(sys.stdin.read())
+    server = Server(spec)
+    try:
+        server.run()
+    finally:
+        server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
