@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call: the GPU tests of the kernels, the device-side table and the cache, then the
+# One device call: the GPU tests of the device-side table (GPU_TESTS=... adds more), the stall probe, then the
 # decode benchmark. Usage on the GPU machine, after MLX is staged (../shared/docs/GPU.md):
 #   bash benchmarks/gpu_session.sh [LAYERS] [ROUNDS] [DECODE_TOKENS]
 # Budgets below 100% run with both slot lookups (host sync, device-side table); ROUNDS > 1 adds
@@ -15,12 +15,14 @@ export MOEFLUX_WAIT_TIMEOUT_S=5
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import mlx.core as mx, psutil, tqdm; print('mlx', mx.__version__, mx.default_device())"
 # a test stuck 60 s dumps every thread's stack
-timeout 300 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=60 \
-  tests/test_device_table.py tests/test_kernels.py tests/test_cache.py > "$OUT/gpu_tests.txt" 2>&1
+timeout 240 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=60 \
+  tests/test_device_table.py ${GPU_TESTS:-} > "$OUT/gpu_tests.txt" 2>&1
 echo "tests: $(tail -1 "$OUT/gpu_tests.txt")"
-grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.txt" | head -20
-python3 benchmarks/decode.py --arch qwen3_moe --size full --layers "$LAYERS" \
+grep -E "^(FAILED|ERROR)|Error" "$OUT/gpu_tests.txt" | head -20
+timeout 60 python3 benchmarks/table_stall_probe.py --size tiny > "$OUT/stall_probe.txt" 2>&1
+grep -E "^(RESULT|FAILED|layer|run|warm-up|stats)" "$OUT/stall_probe.txt"; grep "^monitor" "$OUT/stall_probe.txt" | tail -4
+timeout ${BENCH_TIMEOUT:-900} python3 benchmarks/decode.py --arch qwen3_moe --size full --layers "$LAYERS" \
   --build-dir /tmp/bench-models --decode-tokens "$TOKENS" --prompt-tokens 128 --budgets 1,0.99,0.25 \
-  --io pread,mmap --prefetch off --repeats "$ROUNDS" --machine h100 --out "$OUT" \
+  --io ${IO:-pread,mmap} --prefetch off --repeats "$ROUNDS" --out "$OUT" \
   > "$OUT/bench_log.txt" 2>&1
 grep -v "^expert \|building\|it/s\]" "$OUT/bench_log.txt" | tail -25

@@ -166,7 +166,7 @@ def _run_stock(path, prompt, decode_tokens) -> Run:
     import mlx_lm
 
     model, _ = mlx_lm.load(str(path))
-    _time_generation(model, prompt[:8], 4)  # warm-up: kernels, allocator
+    _time_generation(model, prompt, 4)  # warm-up: kernels of these shapes, allocator
     mx.reset_peak_memory()
     ptps, dtps, tokens, _ = _time_generation(model, prompt, decode_tokens)
     run = Run("stock mlx-lm", prompt_tokens=prompt.size, prompt_tps=ptps,
@@ -188,7 +188,7 @@ def _run_moeflux(path, prompt, decode_tokens, io_mode, budget_fraction, cold, ba
                                 prefetch=prefetch, device_table=device_table)
     rt = model.moeflux
     try:
-        _time_generation(model, prompt[:8], 4)  # warm-up: kernels, allocator, resident fills
+        _time_generation(model, prompt, 4)  # warm-up: kernels of these shapes, allocator, fills
         files = expert_files(path)
         if cold:
             drop_page_cache(files)
@@ -201,6 +201,7 @@ def _run_moeflux(path, prompt, decode_tokens, io_mode, budget_fraction, cold, ba
         with dropping:
             ptps, dtps, tokens, decode_s = _time_generation(model, prompt, decode_tokens,
                                                             on_first=rt.reset_stats)
+        rt.stats_dict()  # counts what the miss server read, if any
         t = rt.stats.total()
         n = max(len(tokens) - 1, 1)
         table = getattr(rt.cache, "control", None) is not None
@@ -260,7 +261,7 @@ def _paired_resident(path, stock_path, prompt, decode_tokens, io_mode, backends,
                 continue
             models[name] = m
         for m in models.values():
-            _time_generation(m, prompt[:8], 4)  # warm-up: kernels, allocator, resident fills
+            _time_generation(m, prompt, 4)  # warm-up: kernels of these shapes, allocator, fills
         tps = {k: [] for k in models}
         for _ in range(n):
             for k, m in models.items():
@@ -346,7 +347,7 @@ def run_benchmark(path, *, budgets=(1.0, 0.5, 0.25, 0.0), io_modes=("mmap", "pre
         "cold_read_gb_s": bandwidth / 1e9,
         "page_cache_read_gb_s": warm_bandwidth / 1e9,
         "tokens_identical_to_stock": None if ref is None else
-        {f"{r.name} {r.io_mode} {r.budget}": r.tokens == ref.tokens for r in runs[1:]},
+        {f"{r.name} {r.io_mode} {r.budget} {r.lookup}": r.tokens == ref.tokens for r in runs[1:]},
         "runs": [{k: v for k, v in asdict(r).items() if k != "tokens"} for r in runs],
     }
 
@@ -416,8 +417,9 @@ def write_results(result: dict, out_dir: Path, stem: str) -> List[Path]:
           f"Random expert-sized reads of the expert files (8 threads): cold "
           f"{result['cold_read_gb_s']:.2f} GB/s, from the page cache "
           f"{result.get('page_cache_read_gb_s', float('nan')):.2f} GB/s. The I/O bound uses the cold figure.",
-          "Budgets below 100% run cold: pread drops the page cache after every token (as if the "
-          "experts were many times RAM); mmap only before the run (mapped pages cannot be dropped).", "",
+          "Budgets below 100% run cold: during pread runs a thread keeps dropping the expert files "
+          "from the page cache (as if the experts were many times RAM); mmap runs are cold only at "
+          "their start (mapped pages cannot be dropped).", "",
           format_table(result), ""]
     md += [line + "." for line in summary_lines(result)]
     if result["tokens_identical_to_stock"] is not None:
