@@ -203,13 +203,13 @@ class MissServer:
         root = str(Path(__file__).resolve().parent.parent)  # works from a source checkout too
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "moeflux_mlx.miss_server"], stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL, stderr=self._stderr, env=env,
-                pass_fds=(control.fd, child.fileno()))
-        finally:
-            child.close()
-        try:
+            try:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "moeflux_mlx.miss_server"], stdin=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL, stderr=self._stderr, env=env,
+                    pass_fds=(control.fd, child.fileno()))
+            finally:
+                child.close()
             self.proc.stdin.write(json.dumps(spec).encode())
             self.proc.stdin.close()
             deadline = time.monotonic() + SERVER_START_S

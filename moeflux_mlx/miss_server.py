@@ -191,12 +191,15 @@ class Server:
 
 def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="moeflux miss server: %(message)s")
-    spec = json.loads(sys.stdin.read())
-    server = Server(spec)
     try:
-        server.run()
-    finally:
-        server.close()
+        server = Server(json.loads(sys.stdin.read()))
+        try:
+            server.run()
+        finally:
+            server.close()
+    except Exception as e:  # one line for the model process's error message (its "last words")
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -282,6 +282,20 @@ def test_server_gone_raises(tiny_store):
         server.close()
 
 
+def test_server_that_cannot_open_the_experts_fails_the_load_clearly(tiny_checkpoints, tmp_path):
+    import shutil
+
+    _, packed = tiny_checkpoints["qwen3_moe"]
+    copy = shutil.copytree(packed, tmp_path / "m")
+    store, layout = open_store(copy, "pread")
+    try:
+        (copy / "packed_experts" / "layer_01.bin").unlink()  # gone before the server opens it
+        with pytest.raises(DeviceWaitError, match="exited.*layer_01.bin"):
+            _server(store, layout)
+    finally:
+        store.close()
+
+
 def test_server_stops_promptly_and_exits_with_its_parent_socket(tiny_store):
     store, layout = tiny_store
     server = _server(store, layout)
