@@ -20,7 +20,6 @@ on stdin.
 from __future__ import annotations
 
 import json
-import logging
 import select
 import socket
 import sys
@@ -35,8 +34,6 @@ from .control_block import (G_ERRORS, G_PENDING_RELEASE, G_READY, G_STOP, H_ERR,
                             S_BYTES, S_IO_NS, S_MISSED, S_READ, ControlBlock, SharedMapping)
 from .lru import SlotLRU
 from .store import store_from_spec
-
-log = logging.getLogger("moeflux_mlx.miss_server")
 
 IDLE_WAIT_S = 1e-3  # between polls while no table call is in flight
 STALL_S = 1.0  # in flight this long without progress: treated as idle (a graph never evaluated)
@@ -190,7 +187,6 @@ class Server:
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.WARNING, format="moeflux miss server: %(message)s")
     try:
         server = Server(json.loads(sys.stdin.read()))
         try:
