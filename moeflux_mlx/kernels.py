@@ -434,11 +434,9 @@ class KernelBackend:
             return self.fallback(x, slots, pool, activation)
         glu, down = plan
         hid, topk = x.shape[-1], slots.shape[-1]
-        s2 = slots.reshape(-1, topk)
-        if s2.dtype not in SLOT_DTYPES:
-            s2 = s2.astype(mx.int32)
-        h = glu(mx.contiguous(x.reshape(-1, hid)), mx.contiguous(s2))
-        y = down(h.reshape(-1, h.shape[-1]), mx.contiguous(s2.reshape(-1, 1)))
+        x2, s2 = _tokens_slots(x.reshape(-1, hid), slots.reshape(-1, topk))
+        h = glu(x2, s2)
+        y = down(h.reshape(-1, h.shape[-1]), s2.reshape(-1, 1))
         return y.reshape(*x.shape[:-1], topk, hid)
 
     def _plan(self, x, slots, pool, activation) -> Optional[Tuple[Launch, Launch]]:

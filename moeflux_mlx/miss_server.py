@@ -86,12 +86,14 @@ class Server:
 
     # -- requests --------------------------------------------------------------------------
 
+    def _layer(self, i: int):
+        layer = self.control.order[i]
+        return layer, self.control.layers[layer], self.lrus[layer]
+
     def answer_gpu(self, i: int) -> None:
         c = self.control
-        layer = c.order[i]
-        t = c.layers[layer]
+        layer, t, lru = self._layer(i)
         seq = int(c.requests[i])
-        lru = self.lrus[layer]
         experts = np.unique(t.request[:int(t.header[H_NREQ])])
         tick = c.clock(i) + 1  # the waiting call's tick; the GPU counts the call when done
         missing, victims = lru.admit(experts, tick)
@@ -125,10 +127,8 @@ class Server:
 
     def answer_host(self, i: int) -> None:
         c = self.control
-        layer = c.order[i]
-        t = c.layers[layer]
+        _, t, lru = self._layer(i)
         seq = int(c.host_requests[i])
-        lru = self.lrus[layer]
         experts = np.array(t.host_request[:int(t.header[H_HOST_N])], np.int64)
         missing = experts[:0]
         if t.header[H_HOST_KIND] == HOST_ADMIT:
