@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("MOEFLUX_WAIT_TIMEOUT_S", "3")
-os.environ["MOEFLUX_DEVICE_TABLE"] = "1"
+os.environ.setdefault("MOEFLUX_DEVICE_TABLE", "1")  # 0: the same flow with host syncs
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402

@@ -53,6 +53,8 @@ class Run:
     sync_ms_per_token: float = 0.0  # waiting for router indices: includes device compute before them
     io_ms_per_token: float = 0.0
     upload_ms_per_token: float = 0.0
+    gpu_waits_per_token: float = 0.0  # device-side table: GPU waits for the miss server
+    gpu_wait_ms_per_token: float = 0.0  # their time, the server's reads included
     other_ms_per_token: float = 0.0
     io_bound_tps: Optional[float] = None
     fraction_of_io_bound: Optional[float] = None
@@ -214,7 +216,10 @@ def _run_moeflux(path, prompt, decode_tokens, io_mode, budget_fraction, cold, ba
                   prefetch_hits_per_token=t.prefetch_hits / n,
                   sync_ms_per_token=1e3 * t.sync_s / n, io_ms_per_token=1e3 * t.io_s / n,
                   upload_ms_per_token=1e3 * t.upload_s / n,
-                  other_ms_per_token=1e3 * (decode_s - t.sync_s - t.io_s - t.upload_s) / n,
+                  gpu_waits_per_token=t.gpu_waits / n, gpu_wait_ms_per_token=1e3 * t.gpu_wait_s / n,
+                  # the device table's reads happen inside the GPU's waits
+                  other_ms_per_token=1e3 * (decode_s - t.sync_s - max(t.io_s, t.gpu_wait_s)
+                                            - t.upload_s) / n,
                   peak_memory_gb=mx.get_peak_memory() / 1e9, tokens=tokens)
         if t.bytes_read and bandwidth:
             run.io_bound_tps = bandwidth / (t.bytes_read / n)
@@ -231,13 +236,17 @@ def _moe_layers(path: Path) -> int:
     return len(expert_layout(path).layers)
 
 
-def sync_overhead(runs: List[Run], moe_layers: int, lookup: str = "host") -> Optional[float]:
-    """ms per MoE layer that a layer's slot lookup costs: the 99%-budget run (nearly all hits;
-    ``host``: one sync per layer, ``device``: the GPU table) against the 100% run (every expert
-    resident, nothing to look up), same I/O mode."""
+def sync_overhead(runs: List[Run], moe_layers: int, lookup: str = "host",
+                  budget: str = "99%") -> Optional[float]:
+    """ms per MoE layer that a layer's slot lookup costs: the run at ``budget`` with ``lookup``
+    (``host``: one sync per layer, ``device``: the GPU table; 99%: nearly all hits, the few
+    misses' reads included; 100% with the device table: every expert resident and still
+    looked up, the lookup alone) against the 100% run that looks nothing up (slot == expert
+    id), same I/O mode."""
     by = {(r.io_mode, r.budget, r.lookup): r for r in runs if not r.name.endswith("+prefetch")}
-    deltas = [1e3 * (1 / by[(io, "99%", lookup)].decode_tps - 1 / r.decode_tps) / moe_layers
-              for (io, b, _), r in by.items() if b == "100%" and (io, "99%", lookup) in by]
+    deltas = [1e3 * (1 / by[(io, budget, lookup)].decode_tps - 1 / r.decode_tps) / moe_layers
+              for (io, b, lk), r in by.items() if b == "100%" and lk == "-"
+              and (io, budget, lookup) in by]
     return min(deltas) if deltas else None
 
 
@@ -319,7 +328,9 @@ def run_benchmark(path, *, budgets=(1.0, 0.5, 0.25, 0.0), io_modes=("mmap", "pre
     for io_mode in io_modes:
         for frac in budgets:
             for pf in prefetch if frac < 1 else (False,):
-                for table in lookups if frac < 1 and not pf else (None,):
+                # at 100%, "all" looks every (resident) expert up through the table: its own cost
+                tables = lookups if frac < 1 else (None, "all") if lookups[-1] else (None,)
+                for table in tables if not pf else (None,):
                     try:
                         runs.append(_run_moeflux(path, prompt, decode_tokens, io_mode, frac,
                                                  cold=frac < 1, bandwidth=bandwidth,
@@ -338,6 +349,7 @@ def run_benchmark(path, *, budgets=(1.0, 0.5, 0.25, 0.0), io_modes=("mmap", "pre
     return {
         "sync_overhead_ms_per_layer": sync_overhead(runs, layers),
         "device_lookup_overhead_ms_per_layer": sync_overhead(runs, layers, "device"),
+        "device_lookup_only_ms_per_layer": sync_overhead(runs, layers, "device", "100%"),
         "paired_resident": paired,
         "failures": failures,
         "model": str(path),
@@ -366,6 +378,14 @@ def machine_name() -> str:
     return f"{gpu}, {cpu}" if gpu else cpu
 
 
+def machine_tag(machine: str) -> str:
+    """A short name for result files: ``h100`` for "NVIDIA H100 80GB HBM3, ...", ``cpu2``."""
+    gpu = machine.split(",")[0] if "," in machine else ""
+    words = [w for w in gpu.split() if w.upper() not in ("NVIDIA", "TESLA", "GEFORCE")
+             and not w.upper().endswith("GB")]
+    return words[0].lower() if words else f"cpu{psutil.cpu_count()}"
+
+
 COLUMNS = [("name", "config", "{}"), ("io_mode", "io", "{}"), ("budget", "cache", "{}"),
            ("lookup", "lookup", "{}"),
            ("prompt_tps", "prompt tok/s", "{:.1f}"), ("decode_tps", "decode tok/s", "{:.2f}"),
@@ -373,6 +393,8 @@ COLUMNS = [("name", "config", "{}"), ("io_mode", "io", "{}"), ("budget", "cache"
            ("hit_rate", "hit", "{:.0%}"), ("prefetch_hits_per_token", "prefetched/tok", "{:.1f}"),
            ("sync_ms_per_token", "sync ms/tok", "{:.2f}"),
            ("io_ms_per_token", "io ms/tok", "{:.2f}"), ("upload_ms_per_token", "upload ms/tok", "{:.2f}"),
+           ("gpu_waits_per_token", "GPU waits/tok", "{:.2f}"),
+           ("gpu_wait_ms_per_token", "GPU wait ms/tok", "{:.2f}"),
            ("other_ms_per_token", "rest ms/tok", "{:.2f}"), ("io_bound_tps", "I/O bound tok/s", "{:.1f}"),
            ("fraction_of_io_bound", "of bound", "{:.0%}"), ("peak_memory_gb", "peak GB", "{:.2f}")]
 
@@ -388,12 +410,16 @@ def format_table(result: dict) -> str:
 
 def summary_lines(result: dict) -> List[str]:
     out = []
-    for key, what in (("sync_overhead_ms_per_layer", "host sync"),
-                      ("device_lookup_overhead_ms_per_layer", "device-side table lookup")):
+    for key, what in (("sync_overhead_ms_per_layer", "host sync (99% budget, nearly all hits, "
+                       "the misses' reads included"),
+                      ("device_lookup_overhead_ms_per_layer", "device-side table (99% budget, "
+                       "nearly all hits, the misses' reads and waits included"),
+                      ("device_lookup_only_ms_per_layer", "device-side table alone (100% budget, "
+                       "every expert resident and looked up")):
         if result.get(key) is not None:
             note = " (negative: within run-to-run noise)" if result[key] < 0 else ""
-            out.append(f"Slot lookup overhead per MoE layer, {what} (99% budget, nearly all "
-                       f"hits, vs 100%, nothing to look up): {result[key]:.3f} ms{note}")
+            out.append(f"Slot lookup overhead per MoE layer, {what}; vs 100% looking nothing "
+                       f"up): {result[key]:.3f} ms{note}")
     out += [f"FAILED: {f}" for f in result.get("failures", [])]
     paired = result.get("paired_resident")
     if paired:
@@ -501,8 +527,7 @@ def run_cli(args) -> int:
     print(format_table(result))
     for line in summary_lines(result):
         print(line)
-    gpu = result["machine"].split(",")[0] if "," in result["machine"] else ""
-    machine = args.machine or (gpu.split()[-1].lower() if gpu else f"cpu{psutil.cpu_count()}")
+    machine = args.machine or machine_tag(result["machine"])
     for f in write_results(result, args.out, f"{datetime.date.today()}-{machine}-decode"):
         print("wrote", f)
     return 0

@@ -195,12 +195,14 @@ class ExpertCache:
 
     With ``use_table`` (CUDA, see device_table.py), decode calls on partially cached layers
     look their slots up on the GPU and only the GPU waits, on misses, for the miss server
-    process, which owns those layers' LRU; their synced calls ask it to admit experts."""
+    process, which owns those layers' LRU; their synced calls ask it to admit experts.
+    ``use_table="all"`` puts fully cached layers in the table too (filled on demand, never
+    evicting): the benchmark's measure of what the lookup itself costs."""
 
     name = "lru"
 
     def __init__(self, store: ExpertStore, layout: ModelLayout, budget_bytes: int,
-                 use_table: bool = False):
+                 use_table=False):
         self.store = store
         self.budget_bytes = budget_bytes
         total = layout.total_expert_bytes
@@ -217,7 +219,8 @@ class ExpertCache:
         self.server: Optional[device_table.MissServer] = None
         self._streams: list = []  # streams table calls were enqueued on (mlx-lm uses its own)
         partial = {i: (layout.layers[i].num_experts, n) for i, n in self.n_slots.items()
-                   if 0 < n < layout.layers[i].num_experts}
+                   if 0 < n < layout.layers[i].num_experts
+                   or (use_table == "all" and n == layout.layers[i].num_experts)}
         if use_table and partial:
             self.control = device_table.make_control(partial)
             try:  # the server opens the same expert files (a prefetcher reads like the store)
@@ -266,13 +269,15 @@ class ExpertCache:
             # more experts than slots (a long prefill on a small budget): stage them uncached
             return self.overflow.fetch(layer, experts, stats)
         pool = self._pool(layer)
-        if n_slots == layout.num_experts:
+        table = self._table(layer)
+        if n_slots == layout.num_experts and table is None:
             self._fill_layer(layer, pool, stats)
             stats.experts_missed += len(experts)
             return experts.astype(np.uint32), pool.pool
-        table = self._table(layer)
         if table is not None:
-            missing, victims = self.server.host_request(layer, HOST_ADMIT, experts)
+            # a fully cached table layer ("all") is filled whole, like a resident layer
+            admit = np.arange(layout.num_experts) if n_slots == layout.num_experts else experts
+            missing, victims = self.server.host_request(layer, HOST_ADMIT, admit)
         else:
             lru = self.lru[layer]
             lru.clock[0] += 1
@@ -378,9 +383,11 @@ def parse_budget(budget, total_expert_bytes: int) -> int:
 
 
 def make_cache(store: ExpertStore, layout: ModelLayout, budget=None,
-               device_table_enabled: Optional[bool] = None):
+               device_table_enabled=None):
     budget_bytes = parse_budget(budget, layout.total_expert_bytes)
     table = device_table.enabled(device_table_enabled)
+    if table and device_table_enabled == "all":
+        table = "all"
     cache = ExpertCache(store, layout, budget_bytes, table) if budget_bytes > 0 else None
     if cache is None or cache.capacity_bytes == 0:
         return StagingCache(store)

@@ -22,6 +22,8 @@ class LayerStats:
     io_s: float = 0.0  # reading experts from disk into host memory
     upload_s: float = 0.0  # host -> MLX memory, and slot updates
     compute_s: float = 0.0  # building the expert computation (lazy; device time lands in sync_s)
+    gpu_waits: int = 0  # device-side table: decode calls whose GPU waited for the miss server
+    gpu_wait_s: float = 0.0  # the GPU's time in those waits (the server's reads included)
 
     def add(self, other: "LayerStats") -> None:
         for f in fields(self):

@@ -65,11 +65,13 @@ def available() -> bool:
             and cuda_runtime_available())
 
 
-def enabled(requested: Optional[bool] = None) -> bool:
-    """Whether decode should use the device-side table. Opt-in (``requested`` or
-    ``MOEFLUX_DEVICE_TABLE=1``) until it has run on a GPU at length. Needs CUDA."""
+def enabled(requested=None) -> bool:
+    """Whether decode should use the device-side table: on where it can run (MLX's CUDA
+    backend and libcudart), unless ``requested`` is False or ``MOEFLUX_DEVICE_TABLE=0``."""
     if requested is None:
         env = os.environ.get("MOEFLUX_DEVICE_TABLE", "").strip().lower()
+        if env in ("", "auto"):
+            return available()
         requested = env in ("1", "on", "true")
     if requested and not available():
         log.warning("device-side slot table requested, but it needs MLX's CUDA backend and "
@@ -194,6 +196,7 @@ class MissServer:
         self.staging: Dict[int, PinnedBuffer] = {}  # blob size -> rows of one call's misses
         self._errors_seen = 0
         self._folded = {layer: np.zeros(4, np.int64) for layer in control.layers}
+        self._waits_folded = {layer: (0, 0) for layer in control.layers}
         self._sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._stderr = tempfile.TemporaryFile()
         spec = {"layers": {str(k): v for k, v in control.spec.items()}, "control_fd": control.fd,
@@ -293,18 +296,23 @@ class MissServer:
         self._check_alive()
 
     def fold_stats(self, stats_of) -> None:
-        """Add what the server read for GPU requests since the last fold to ``stats_of(layer)``
-        (a ``LayerStats``)."""
+        """Add what the server read for GPU requests, and the GPU's waits for it, since the
+        last fold to ``stats_of(layer)`` (a ``LayerStats``)."""
         for layer, t in self.control.layers.items():
             now = t.stats.copy()
             d = now - self._folded[layer]
-            if d.any():
+            waits = self.waits(layer)
+            n_waits, wait_us = (a - b for a, b in zip(waits, self._waits_folded[layer]))
+            if d.any() or n_waits:
                 s: LayerStats = stats_of(layer)
                 s.experts_missed += int(d[S_MISSED])
                 s.experts_read += int(d[S_READ])
                 s.bytes_read += int(d[S_BYTES])
                 s.io_s += d[S_IO_NS] / 1e9
+                s.gpu_waits += n_waits
+                s.gpu_wait_s += wait_us / 1e6
             self._folded[layer] = now
+            self._waits_folded[layer] = waits
 
     def waits(self, layer: int) -> Tuple[int, int]:
         """GPU waits of ``layer`` so far and their total in microseconds."""

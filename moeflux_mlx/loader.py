@@ -36,7 +36,7 @@ class StreamingRuntime:
     Reached as ``model.moeflux``; ``close()`` (or ``with``) releases files, maps and threads."""
 
     def __init__(self, store: ExpertStore, layout: ModelLayout, backend, cache_budget=None,
-                 prefetch: bool = False, device_table: Optional[bool] = None):
+                 prefetch: bool = False, device_table=None):
         self.store, self.layout, self.backend = store, layout, backend
         self._stats = Stats()
         self.prefetcher = Prefetcher(store, self._stats) if prefetch else None
@@ -129,7 +129,7 @@ def _make_runtime(source, expert_io, backend, threads, cache_budget, prefetch,
 
 def patch_model(model: nn.Module, source, *, expert_io: Optional[str] = None,
                 backend: Optional[str] = None, cache_budget=None, prefetch: bool = False,
-                threads: int = 8, device_table: Optional[bool] = None) -> nn.Module:
+                threads: int = 8, device_table=None) -> nn.Module:
     """Replace the experts of an mlx-lm ``model`` (built by the user, e.g. ``mlx_lm.load(...,
     lazy=True)``) by streaming modules reading from ``source`` (converted or plain checkpoint)."""
     runtime = _make_runtime(source, expert_io, backend, threads, cache_budget, prefetch,
@@ -146,7 +146,7 @@ def patch_model(model: nn.Module, source, *, expert_io: Optional[str] = None,
 def load(path, *, expert_io: Optional[str] = None, backend: Optional[str] = None,
          cache_budget=None, prefetch: bool = False, threads: int = 8, model_config: Optional[dict] = None,
          tokenizer_config: Optional[dict] = None,
-         device_table: Optional[bool] = None) -> Tuple[nn.Module, object]:
+         device_table=None) -> Tuple[nn.Module, object]:
     """Load a converted directory or a plain mlx-lm checkpoint with experts streamed from disk.
 
     ``expert_io``: ``auto`` (the RAM gate), ``mmap`` or ``pread``. ``backend``: ``auto``, ``ops``,
@@ -155,7 +155,8 @@ def load(path, *, expert_io: Optional[str] = None, backend: Optional[str] = None
     ``prefetch``: read the experts the next layer's router would pick for this layer's input
     in the background (see ``prefetch.py``). ``device_table``: on CUDA, decode looks slots up
     on the GPU and only the GPU waits, only on misses, for a helper process that reads them
-    (default: off; see ``device_table.py``; ``MOEFLUX_DEVICE_TABLE=0|1``).
+    (default: off; see ``device_table.py``; ``MOEFLUX_DEVICE_TABLE=0|1``); ``"all"`` also
+    looks up the experts of fully cached layers that way (to measure the lookup's cost).
     Returns ``(model, tokenizer)`` like ``mlx_lm.load``; ``model.moeflux`` is the runtime
     (``stats_dict()``, ``reset_stats()``, ``close()``)."""
     path = Path(path)
