@@ -97,8 +97,10 @@ class SlotPool:
         self._staged = self.staging.get(n, self.layout.blob_size)
         return host_view(self._staged)
 
-    def write(self, slots: np.ndarray, blobs: np.ndarray) -> None:
-        """Copy ``blobs`` ``[n, blob_size]`` into ``slots``."""
+    def write(self, slots: np.ndarray, blobs: np.ndarray, in_place: bool = False) -> None:
+        """Copy ``blobs`` ``[n, blob_size]`` into ``slots``. ``in_place``: into these very
+        buffers even while pending graphs hold them (a device-side table layer: its pending
+        lookups pick slots when they run, see write_cuda.cuh)."""
         if not self.device_writes:
             for c in self.layout.components:
                 self.host[c.name][slots] = blobs[:, c.offset:c.offset + c.nbytes]
@@ -110,6 +112,9 @@ class SlotPool:
             src = self._staged
             host_view(src)[:] = blobs
         self._staged = None
+        if in_place:  # enqueued now; the next layer's sync orders it before the staging's reuse
+            mx.async_eval(device_table.write_in_place(src, slots, self.raw, self.layout))
+            return
         idx = mx.array(slots.astype(np.uint32))
         self.pool = None  # drop the old typed views so the scatters can update in place
         for c in self.layout.components:
@@ -128,9 +133,10 @@ def _read(store: ExpertStore, layer: int, experts: np.ndarray, stats: LayerStats
     return blobs
 
 
-def _write(pool: SlotPool, slots: np.ndarray, blobs: np.ndarray, stats: LayerStats) -> None:
+def _write(pool: SlotPool, slots: np.ndarray, blobs: np.ndarray, stats: LayerStats,
+           in_place: bool = False) -> None:
     t0 = time.perf_counter()
-    pool.write(slots, blobs)
+    pool.write(slots, blobs, in_place)
     stats.upload_s += time.perf_counter() - t0
 
 
@@ -275,6 +281,10 @@ class ExpertCache:
             stats.experts_missed += len(experts)
             return experts.astype(np.uint32), pool.pool
         if table is not None:
+            # A table call already submitted but not yet run would look slots up after the
+            # admission below and read them before its writes: let it finish first. (Calls built
+            # but not submitted run after the writes, which are in place: see write_cuda.cuh.)
+            self.synchronize()
             # a fully cached table layer ("all") is filled whole, like a resident layer
             admit = np.arange(layout.num_experts) if n_slots == layout.num_experts else experts
             missing, victims = self.server.host_request(layer, HOST_ADMIT, admit)
@@ -285,7 +295,7 @@ class ExpertCache:
         if missing.size:
             try:
                 blobs = _read(self.store, layer, missing, stats, pool.read_buffer(missing.size))
-                _write(pool, victims, blobs, stats)
+                _write(pool, victims, blobs, stats, in_place=table is not None)
             except BaseException:  # the victims were freed: nothing claims bytes that never came
                 if table is not None:
                     self.server.host_request(layer, HOST_RELEASE, missing)

@@ -66,12 +66,11 @@ def available() -> bool:
 
 
 def enabled(requested=None) -> bool:
-    """Whether decode should use the device-side table: on where it can run (MLX's CUDA
-    backend and libcudart), unless ``requested`` is False or ``MOEFLUX_DEVICE_TABLE=0``."""
+    """Whether decode should use the device-side table. Opt-in (``requested`` or
+    ``MOEFLUX_DEVICE_TABLE=1``) until the in-place writes of its synced path (write_cuda.cuh)
+    have passed on a GPU. Needs CUDA."""
     if requested is None:
         env = os.environ.get("MOEFLUX_DEVICE_TABLE", "").strip().lower()
-        if env in ("", "auto"):
-            return available()
         requested = env in ("1", "on", "true")
     if requested and not available():
         log.warning("device-side slot table requested, but it needs MLX's CUDA backend and "
@@ -124,19 +123,41 @@ def _resolve_kernel():
                                output_names=["slots"], source=body, header=header)
 
 
-@functools.lru_cache(maxsize=None)
-def _fill_kernel(blob_size: int, components: tuple):
-    """One fill kernel per expert layout: the component offsets and sizes
-    (``components``: ``(offset, nbytes)`` each) are compiled in."""
+def _copy_kernel(kind: str, first_inputs: list, output: str, blob_size: int, components: tuple):
+    """A kernel copying expert blobs into pool slots (``fill_cuda.cuh``, ``write_cuda.cuh``), one
+    per expert layout: the component offsets and sizes (``(offset, nbytes)`` each) are
+    compiled in."""
     copies = "".join(
         f"    mf_copy_component<{nbytes}ll>(s + {offset}, const_cast<uint8_t*>(p{i}) + d * "
         f"{nbytes}ll, poison, gtid, gsize);\n" for i, (offset, nbytes) in enumerate(components))
     header = _header() + _defines(BLOB=f"{blob_size}ll")
-    body = load_source("fill_cuda.cuh").replace("MF_COPY_COMPONENTS", copies)
+    body = load_source(f"{kind}_cuda.cuh").replace("MF_COPY_COMPONENTS", copies)
     return mx.fast.cuda_kernel(
-        name=_named("fill", header, body),
-        input_names=["slots", "meta", *[f"p{i}" for i in range(len(components))]],
-        output_names=["out_slots"], source=body, header=header)
+        name=_named(kind, header, body),
+        input_names=[*first_inputs, *[f"p{i}" for i in range(len(components))]],
+        output_names=[output], source=body, header=header)
+
+
+@functools.lru_cache(maxsize=None)
+def _fill_kernel(blob_size: int, components: tuple):
+    return _copy_kernel("fill", ["slots", "meta"], "out_slots", blob_size, components)
+
+
+@functools.lru_cache(maxsize=None)
+def _write_kernel(blob_size: int, components: tuple):
+    return _copy_kernel("write", ["blobs", "dst"], "done", blob_size, components)
+
+
+def write_in_place(blobs: mx.array, slots: np.ndarray, raw: Dict[str, mx.array],
+                   layout: ExpertLayout) -> mx.array:
+    """Copy ``blobs`` ``[n, blob_size]`` into the pool arrays ``raw`` at ``slots``, in place
+    (see write_cuda.cuh for why a table layer needs that); lazy: evaluate what it returns."""
+    comps = tuple((c.offset, c.nbytes) for c in layout.components)
+    kernel = _write_kernel(layout.blob_size, comps)
+    dst = mx.array(np.asarray(slots, np.uint32))
+    return kernel(inputs=[blobs, dst, *[raw[c.name] for c in layout.components]],
+                  grid=(FILL_BLOCKS * FILL_THREADS, 1, 1), threadgroup=(FILL_THREADS, 1, 1),
+                  output_shapes=[(1,)], output_dtypes=[mx.uint32])[0]
 
 
 @dataclass

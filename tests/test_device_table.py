@@ -361,9 +361,9 @@ def test_pinned_buffer_is_plain_memory_without_cuda():
     b.close()
 
 
-def test_on_by_default_where_cuda_runs(monkeypatch):
+def test_opt_in_and_needs_cuda(monkeypatch):
     monkeypatch.delenv("MOEFLUX_DEVICE_TABLE", raising=False)
-    assert dt.enabled() == dt.available()
+    assert not dt.enabled()
     monkeypatch.setenv("MOEFLUX_DEVICE_TABLE", "0")
     assert not dt.enabled()
     monkeypatch.setenv("MOEFLUX_DEVICE_TABLE", "1")
