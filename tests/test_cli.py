@@ -144,6 +144,8 @@ def test_load_options_reach_load(packed, capsys):
     assert cli.load_kwargs(args) == {"expert_io": "pread", "threads": 3, "cache_budget": "1GB",
                                      "backend": "ops"}
     assert cli.load_kwargs(cli.build_parser().parse_args(["generate"])) == {}
+    args = cli.build_parser().parse_args(["generate", "--device-table", "--prefetch"])
+    assert cli.load_kwargs(args) == {"device_table": True, "prefetch": True}
 
 
 def test_info_names_each_architecture(ckpts, capsys):
