@@ -20,6 +20,7 @@ on stdin.
 from __future__ import annotations
 
 import json
+import os
 import select
 import socket
 import sys
@@ -37,6 +38,10 @@ from .store import store_from_spec
 
 IDLE_WAIT_S = 1e-3  # between polls while no table call is in flight
 STALL_S = 1.0  # in flight this long without progress: treated as idle (a graph never evaluated)
+# Between polls while table calls are in flight. A miss costs milliseconds of reading, so a few
+# tens of microseconds of latency are cheap, and a spinning poller may share a physical core with
+# the model process's Python thread, which builds the next token's graph. 0: spin (yield only).
+IN_FLIGHT_POLL_S = float(os.environ.get("MOEFLUX_SERVER_POLL_US", "20")) * 1e-6
 
 
 class Server:
@@ -173,7 +178,7 @@ class Server:
             if (c.ticks != last_ticks).any():
                 last_ticks, last_change = c.ticks.copy(), time.monotonic()
             if (c.in_flight() or self.releases) and time.monotonic() - last_change < STALL_S:
-                time.sleep(0)  # the GPU may ask any moment: stay on a core, yield only
+                time.sleep(IN_FLIGHT_POLL_S)  # the GPU may ask any moment
             else:
                 r, _, _ = select.select([self.sock], [], [], IDLE_WAIT_S)
                 if r:
