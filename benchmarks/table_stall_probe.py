@@ -9,7 +9,10 @@ layer (count and mean) and, on a stall, where the main thread was.
 History: with the miss service as a thread of the model's process (before the miss server
 process), this probe showed why requests went unanswered: for the whole GPU wait no poll ran,
 while the main thread sat in ``mx.async_eval`` (mlx-lm's generate loop) holding the GIL
-(benchmarks/results/2026-11-23-h200-notes.md).
+(benchmarks/results/2026-11-23-h200-notes.md). Later its second generation seemed to hang in
+the prefill; ``hang_probe.sh`` (this probe under a watchdog, native stacks by py-spy) showed MLX
+compiling kernels for the new prompt size with NVRTC, with or without the table
+(2026-11-23-h100-notes.md): give a fresh machine minutes.
 
     python benchmarks/table_stall_probe.py [--size tiny] [--budget 0.3] [--tokens 24]
 """
