@@ -1,7 +1,8 @@
 #!/bin/bash
 # One device call: the GPU tests of the device-side table (GPU_TESTS=... adds more), the decode
-# benchmark, then the lookup alone with the miss server spinning instead of sleeping between
-# polls (MOEFLUX_SERVER_POLL_US=0), for the A/B. Usage on the GPU machine, after MLX is staged
+# benchmark, the 25% budget with and without prefetch (PREFETCH=0 skips), then the lookup alone
+# with the miss server spinning instead of sleeping between polls (MOEFLUX_SERVER_POLL_US=0;
+# AB=0 skips). Usage on the GPU machine, after MLX is staged
 # (../shared/docs/GPU.md):
 #   bash benchmarks/gpu_session.sh [LAYERS] [ROUNDS] [DECODE_TOKENS]
 # Budgets below 100% run with both slot lookups (host sync, device-side table), and 100% also
@@ -18,7 +19,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export MOEFLUX_WAIT_TIMEOUT_S=5
 BENCH=(python3 benchmarks/decode.py --arch qwen3_moe --size full --layers "$LAYERS"
        --build-dir /tmp/bench-models --decode-tokens "$TOKENS" --prompt-tokens 128
-       --io "${IO:-pread}" --prefetch off)
+       --io "${IO:-pread}" --prefetch off)  # a later --prefetch overrides
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import mlx.core as mx, psutil, tqdm; print('mlx', mx.__version__, mx.default_device())"
 # a test stuck 60 s dumps every thread's stack
@@ -29,6 +30,11 @@ grep -E "^(FAILED|ERROR)|Error" "$OUT/gpu_tests.txt" | head -20
 timeout "${BENCH_TIMEOUT:-420}" "${BENCH[@]}" --budgets 1,0.99,0.25 --repeats "$ROUNDS" \
   --out "$OUT" > "$OUT/bench_log.txt" 2>&1
 grep -v "^expert \|building\|it/s\]\|transformers" "$OUT/bench_log.txt" | tail -16
+if [ "${PREFETCH:-1}" = 1 ]; then  # prefetch on the table path (hint_cuda.cuh), 25% cold
+  timeout 300 "${BENCH[@]}" --budgets 0.25 --no-stock --prefetch both \
+    --machine prefetch --out "$OUT/prefetch" > "$OUT/bench_prefetch_log.txt" 2>&1
+  echo "prefetch:"; grep -E "^\| moeflux" "$OUT/bench_prefetch_log.txt"
+fi
 if [ "${AB:-1}" = 1 ]; then
   MOEFLUX_SERVER_POLL_US=0 timeout 240 "${BENCH[@]}" --budgets 1 --no-stock --machine spin \
     --out "$OUT/spin" > "$OUT/bench_spin_log.txt" 2>&1

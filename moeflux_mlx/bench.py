@@ -330,7 +330,7 @@ def run_benchmark(path, *, budgets=(1.0, 0.5, 0.25, 0.0), io_modes=("mmap", "pre
             for pf in prefetch if frac < 1 else (False,):
                 # at 100%, "all" looks every (resident) expert up through the table: its own cost
                 tables = lookups if frac < 1 else (None, "all") if lookups[-1] else (None,)
-                for table in tables if not pf else (None,):
+                for table in tables:
                     try:
                         runs.append(_run_moeflux(path, prompt, decode_tokens, io_mode, frac,
                                                  cold=frac < 1, bandwidth=bandwidth,

@@ -202,13 +202,15 @@ class ExpertCache:
     With ``use_table`` (CUDA, see device_table.py), decode calls on partially cached layers
     look their slots up on the GPU and only the GPU waits, on misses, for the miss server
     process, which owns those layers' LRU; their synced calls ask it to admit experts.
-    ``use_table="all"`` puts fully cached layers in the table too (filled on demand, never
-    evicting): the benchmark's measure of what the lookup itself costs."""
+    ``use_table="all"`` puts fully cached layers in the table too (filled whole at first use):
+    the benchmark's measure of what the lookup itself costs. ``table_prefetch``: the GPU
+    publishes the next table layer's predicted experts (``hint``) and the server reads the
+    absent ones ahead."""
 
     name = "lru"
 
     def __init__(self, store: ExpertStore, layout: ModelLayout, budget_bytes: int,
-                 use_table=False):
+                 use_table=False, table_prefetch: bool = False):
         self.store = store
         self.budget_bytes = budget_bytes
         total = layout.total_expert_bytes
@@ -230,7 +232,8 @@ class ExpertCache:
         if use_table and partial:
             self.control = device_table.make_control(partial)
             try:  # the server opens the same expert files (a prefetcher reads like the store)
-                self.server = device_table.MissServer(self.control, getattr(store, "store", store))
+                self.server = device_table.MissServer(self.control, getattr(store, "store", store),
+                                                      prefetch=table_prefetch)
             except BaseException:
                 self.control.close()
                 raise
@@ -311,6 +314,16 @@ class ExpertCache:
         if self._table(layer) is None:
             return False
         return indices.size == indices.shape[-1] and device_table.fits(indices.size, self.n_slots[layer])
+
+    def can_hint(self, layer: int) -> bool:
+        return self.server is not None and self.server.prefetch and self._table(layer) is not None
+
+    def hint(self, layer: int, indices: mx.array, predicted: mx.array) -> mx.array:
+        """``indices`` passed on (lazy) once the GPU has published ``predicted``, the experts
+        table layer ``layer`` (the next one) is predicted to route to, for the server to read."""
+        staging = self.server.staging_for(self.store.layout(layer).blob_size,
+                                          device_table.staging_rows(indices.shape[-1]))
+        return device_table.hint(self.control, staging, layer, indices, predicted)
 
     def resolve(self, layer: int, indices: mx.array, stats: LayerStats) -> Tuple[mx.array, ExpertPool]:
         """Lazy slots of one token's experts; the GPU waits for the miss server on misses."""
@@ -393,12 +406,12 @@ def parse_budget(budget, total_expert_bytes: int) -> int:
 
 
 def make_cache(store: ExpertStore, layout: ModelLayout, budget=None,
-               device_table_enabled=None):
+               device_table_enabled=None, prefetch: bool = False):
     budget_bytes = parse_budget(budget, layout.total_expert_bytes)
     table = device_table.enabled(device_table_enabled)
     if table and device_table_enabled == "all":
         table = "all"
-    cache = ExpertCache(store, layout, budget_bytes, table) if budget_bytes > 0 else None
+    cache = ExpertCache(store, layout, budget_bytes, table, prefetch) if budget_bytes > 0 else None
     if cache is None or cache.capacity_bytes == 0:
         return StagingCache(store)
     log.info("expert cache: %.2f GB budget, %.2f GB in slots (%.0f%% of the experts)",

@@ -7,18 +7,19 @@ MAP_SHARED) of int32 words, mapped by the model's process (which also registers 
 kernels read it in place) and by the miss server:
 
 - global words (``G_*``): stop, ready, read errors so far, releases pending;
-- one word per table layer in each of six vectors: GPU request and answer sequence numbers, GPU
-  faults, calls done on the GPU (the LRU clock), calls enqueued by the host, and host request
-  and answer sequence numbers (``HOST_REQ``/``HOST_ANS``);
+- one word per table layer in each of eight vectors: GPU request and answer sequence numbers, GPU
+  faults, calls done on the GPU (the LRU clock), calls enqueued by the host, host request and
+  answer sequence numbers, and GPU hint sequence numbers (prefetch);
 - per layer: a header (``H_*``), the table (expert -> slot, -1 absent), each slot's last use, the
   GPU request (its experts), the copy list for the next fill (staging row -> slot), the host
-  request (its experts) and its answer (missing experts and the slots they get);
+  request (its experts) and its answer (missing experts and the slots they get), and the GPU's
+  hint (the experts the layer's router is predicted to pick next: the server reads them ahead);
 - per layer, int64 counters of the server's GPU-request service (``S_*``);
 - the last read error's message.
 
 Who writes what: nobody writes a word another party writes (the GPU's stores to host memory
 may land late and must not overwrite newer ones). The GPU writes the GPU requests, faults, its
-call counts (``ticks``), the wait counters and ``last_used`` (each slot's last use by the GPU;
+call counts (``ticks``), the wait counters, the hints and ``last_used`` (each slot's last use by the GPU;
 the server keeps its own and takes the later of the two); the model's process writes
 ``expected``, the host requests and ``stop``; the server writes everything else.
 """
@@ -36,18 +37,20 @@ import numpy as np
 # per-layer header words. The LRU clock of a layer is its calls so far: GPU calls (``ticks``)
 # plus host admits (``H_HOST_TICKS``)
 (H_ERR, H_NREQ, H_NCOPY, H_WAITS, H_WAIT_US, H_HOST_KIND, H_HOST_N, H_HOST_NMISS,
- H_HOST_TICKS) = range(9)
+ H_HOST_TICKS, H_HINT_N) = range(10)
 HEADER_WORDS = 12
 HOST_ADMIT, HOST_RELEASE = 1, 2  # host request kinds
 G_STOP, G_READY, G_ERRORS, G_PENDING_RELEASE = range(4)
 GLOBAL_WORDS = 16
-VECTORS = ("requests", "answers", "faults", "ticks", "expected", "host_requests", "host_answers")
-S_MISSED, S_READ, S_BYTES, S_IO_NS = range(4)
-STAT_WORDS = 4
+VECTORS = ("requests", "answers", "faults", "ticks", "expected", "host_requests", "host_answers",
+           "hints")
+S_MISSED, S_READ, S_BYTES, S_IO_NS, S_PF_ISSUED, S_PF_HITS = range(6)
+STAT_WORDS = 6
 MESSAGE_BYTES = 4096
 FAULT_INDEX, FAULT_TIMEOUT = 1, 2
 MAX_SELECTIONS = 64  # routed experts per call the table path serves (top-k of one token)
 META_CTRL, META_STAGING = 11, 13  # where the kernels' meta holds the two addresses (lo, hi words)
+META_HINT = 15  # then the layer's hint sequence word and hint vector (TableLayer.hint_offsets)
 
 
 def _round(n: int, to: int) -> int:
@@ -89,7 +92,7 @@ class TableLayer:
     """One layer's part of the control block; the arrays are views into it."""
 
     index: int  # its word in the per-layer vectors
-    offsets: list  # meta[0:11] for the kernels: see ControlBlock.meta_words
+    offsets: list  # meta[0:11] for the kernels: see device_table._meta
     num_experts: int
     n_slots: int
     header: np.ndarray
@@ -101,6 +104,8 @@ class TableLayer:
     host_request: np.ndarray  # experts of the pending host request
     host_missing: np.ndarray  # its answer: the experts that were not resident ...
     host_victims: np.ndarray  # ... and the slots they were given
+    hint: np.ndarray  # experts predicted for the layer's next call (prefetch)
+    hint_offsets: list  # meta[META_HINT:META_HINT + 2]: the hint's sequence word and vector
     stats: np.ndarray  # int64 S_* counters
     launches: dict = field(default_factory=dict)  # the model process's kernel launches
 
@@ -121,7 +126,7 @@ class ControlBlock:
             e, s = self.spec[layer]
             r = max(MAX_SELECTIONS, s)
             offsets[layer] = size
-            size += _round(HEADER_WORDS + e + s + 3 * MAX_SELECTIONS + 3 * r, 16)
+            size += _round(HEADER_WORDS + e + s + 4 * MAX_SELECTIONS + 3 * r, 16)
         stats_at = _round(size * 4, 8)
         message_at = stats_at + 8 * STAT_WORDS * nl
         nbytes = message_at + MESSAGE_BYTES
@@ -149,6 +154,7 @@ class ControlBlock:
             hreq = cdst + MAX_SELECTIONS
             hmiss = hreq + r
             hvic = hmiss + r
+            hint = hvic + r
             if self.buffer.owner:
                 w[tab:tab + e + s] = -1
             self.layers[layer] = TableLayer(
@@ -157,7 +163,7 @@ class ControlBlock:
                 e, s, w[b:b + HEADER_WORDS], w[tab:tab + e], w[last:last + s],
                 w[reqi:reqi + MAX_SELECTIONS], w[csrc:csrc + MAX_SELECTIONS],
                 w[cdst:cdst + MAX_SELECTIONS], w[hreq:hreq + r], w[hmiss:hmiss + r],
-                w[hvic:hvic + r], stats[i])
+                w[hvic:hvic + r], w[hint:hint + MAX_SELECTIONS], [vec["hints"] + i, hint], stats[i])
 
     @property
     def fd(self) -> int:

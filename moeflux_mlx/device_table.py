@@ -42,9 +42,10 @@ import mlx.core as mx
 import numpy as np
 
 from .control_block import (FAULT_INDEX, FAULT_TIMEOUT, G_ERRORS, G_PENDING_RELEASE, G_READY,
-                            G_STOP, H_ERR, H_HOST_KIND, H_HOST_N, H_HOST_NMISS, H_HOST_TICKS,
-                            H_NCOPY, H_NREQ, H_WAIT_US, H_WAITS, MAX_SELECTIONS, META_CTRL,
-                            META_STAGING, S_BYTES, S_IO_NS, S_MISSED, S_READ, ControlBlock)
+                            G_STOP, H_ERR, H_HINT_N, H_HOST_KIND, H_HOST_N, H_HOST_NMISS,
+                            H_HOST_TICKS, H_NCOPY, H_NREQ, H_WAIT_US, H_WAITS, MAX_SELECTIONS,
+                            META_CTRL, META_HINT, META_STAGING, S_BYTES, S_IO_NS, S_MISSED,
+                            S_PF_HITS, S_PF_ISSUED, S_READ, ControlBlock)
 from .errors import DeviceWaitError, ExpertReadError
 from .kernels import load_source
 from .layout import ExpertLayout
@@ -85,11 +86,22 @@ def make_control(layers: Dict[int, tuple]) -> ControlBlock:
 
 
 def _meta(control: ControlBlock, staging: PinnedBuffer, layer: int) -> mx.array:
+    """``_make_meta``, made once per layer."""
+    launches = control.layers[layer].launches
+    if "meta" not in launches:
+        launches["meta"] = _make_meta(control, staging, layer)
+    return launches["meta"]
+
+
+def _make_meta(control: ControlBlock, staging: PinnedBuffer, layer: int) -> mx.array:
     """The kernels' view of a layer: its offsets in the control block (resolve_cuda.cuh reads
-    them by position), then the control block's and the staging's device addresses."""
-    words = list(control.layers[layer].offsets)
+    them by position), the control block's and the staging's device addresses, then where its
+    hint goes (hint_cuda.cuh)."""
+    t = control.layers[layer]
+    words = list(t.offsets)
     for ptr in (control.buffer.device_ptr, staging.device_ptr):
         words += [ptr & 0xFFFFFFFF, ptr >> 32]
+    words += list(t.hint_offsets)
     meta = mx.array(np.array(words, np.uint32).view(np.int32))
     mx.eval(meta)
     return meta
@@ -107,13 +119,22 @@ def _defines(**values) -> str:
 def _header() -> str:
     return (load_source("prelude_cuda.cuh") + "\n" + load_source("table_cuda.cuh") + "\n"
             + _defines(H_ERR=H_ERR, H_NREQ=H_NREQ, H_NCOPY=H_NCOPY, H_WAITS=H_WAITS,
-                       H_WAIT_US=H_WAIT_US, H_HOST_TICKS=H_HOST_TICKS, FAULT_INDEX=FAULT_INDEX, FAULT_TIMEOUT=FAULT_TIMEOUT,
+                       H_WAIT_US=H_WAIT_US, H_HOST_TICKS=H_HOST_TICKS, H_HINT_N=H_HINT_N,
+                       FAULT_INDEX=FAULT_INDEX, FAULT_TIMEOUT=FAULT_TIMEOUT,
                        MAXN=MAX_SELECTIONS, WAIT_TIMEOUT_NS=f"{int(WAIT_TIMEOUT_S * 1e9)}ull",
-                       META_CTRL=META_CTRL, META_STAGING=META_STAGING))
+                       META_CTRL=META_CTRL, META_STAGING=META_STAGING, META_HINT=META_HINT))
 
 
 def _named(kind: str, header: str, body: str) -> str:
     return f"moeflux_{kind}_{hashlib.sha1((header + body).encode()).hexdigest()[:10]}"
+
+
+@functools.lru_cache(maxsize=None)
+def _hint_kernel():
+    header, body = _header(), load_source("hint_cuda.cuh")
+    return mx.fast.cuda_kernel(name=_named("hint", header, body),
+                               input_names=["inds", "pred", "meta"], output_names=["out"],
+                               source=body, header=header)
 
 
 @functools.lru_cache(maxsize=None)
@@ -185,6 +206,25 @@ class _Launches:
                         output_dtypes=[mx.uint32]))
 
 
+def hint(control: ControlBlock, staging: PinnedBuffer, layer: int, indices: mx.array,
+         predicted: mx.array) -> mx.array:
+    """``indices`` passed on (lazy), once ``predicted`` (the experts the router of ``layer``, the
+    next table layer, is predicted to pick) is published for the miss server to read ahead."""
+    n, k = indices.size, predicted.size
+    kwargs = control.layers[layer].launches.get(("hint", n, k))
+    if kwargs is None:
+        threads = (max(n, k, 1) + 31) // 32 * 32
+        kwargs = control.layers[layer].launches[("hint", n, k)] = dict(
+            template=[("N", n), ("K", k)], grid=(threads, 1, 1), threadgroup=(threads, 1, 1),
+            output_shapes=[(n,)], output_dtypes=[mx.uint32])
+    inds = indices.reshape(-1)
+    if inds.dtype != mx.uint32:
+        inds = inds.astype(mx.uint32)
+    pred = predicted.reshape(-1).astype(mx.uint32)
+    out = _hint_kernel()(inputs=[inds, pred, _meta(control, staging, layer)], **kwargs)[0]
+    return out.reshape(indices.shape)
+
+
 def resolve(control: ControlBlock, staging: PinnedBuffer, layer: int, indices: mx.array,
             raw: Dict[str, mx.array], layout: ExpertLayout) -> mx.array:
     """Lazy slots for ``indices`` (one token's experts), made resident on the way (see above).
@@ -212,16 +252,17 @@ class MissServer:
 
     ``store``: the ``ExpertStore`` whose files it opens again (``store.spec()``)."""
 
-    def __init__(self, control: ControlBlock, store):
+    def __init__(self, control: ControlBlock, store, prefetch: bool = False):
         self.control = control
+        self.prefetch = prefetch
         self.staging: Dict[int, PinnedBuffer] = {}  # blob size -> rows of one call's misses
         self._errors_seen = 0
-        self._folded = {layer: np.zeros(4, np.int64) for layer in control.layers}
+        self._folded = {layer: np.zeros_like(t.stats) for layer, t in control.layers.items()}
         self._waits_folded = {layer: (0, 0) for layer in control.layers}
         self._sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._stderr = tempfile.TemporaryFile()
         spec = {"layers": {str(k): v for k, v in control.spec.items()}, "control_fd": control.fd,
-                "socket_fd": child.fileno(), "store": store.spec()}
+                "socket_fd": child.fileno(), "store": store.spec(), "prefetch": prefetch}
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parent.parent)  # works from a source checkout too
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
@@ -332,6 +373,8 @@ class MissServer:
                 s.io_s += d[S_IO_NS] / 1e9
                 s.gpu_waits += n_waits
                 s.gpu_wait_s += wait_us / 1e6
+                s.prefetch_issued += int(d[S_PF_ISSUED])
+                s.prefetch_hits += int(d[S_PF_HITS])
             self._folded[layer] = now
             self._waits_folded[layer] = waits
 

@@ -48,7 +48,7 @@ _CHECKOUT_DIR = Path(__file__).resolve().parent.parent / "metal_kernels"
 _PRELUDE = {"metal": "prelude_metal.h", "cuda": "prelude_cuda.cuh"}
 _ENTRY = {"metal": "entry_metal.h", "cuda": "entry_cuda.cuh"}
 COMMON = "moe_common.h"
-SOURCE_FILES = (COMMON, "table_cuda.cuh", "resolve_cuda.cuh", "fill_cuda.cuh", "write_cuda.cuh", "glu_body.h", "glu_rows.h", "down_body.h", "down_rows.h", "combine_body.h",
+SOURCE_FILES = (COMMON, "table_cuda.cuh", "resolve_cuda.cuh", "fill_cuda.cuh", "write_cuda.cuh", "hint_cuda.cuh", "glu_body.h", "glu_rows.h", "down_body.h", "down_rows.h", "combine_body.h",
                 *_PRELUDE.values(), *_ENTRY.values())
 
 _INPUTS = {

@@ -40,7 +40,8 @@ class StreamingRuntime:
         self.store, self.layout, self.backend = store, layout, backend
         self._stats = Stats()
         self.prefetcher = Prefetcher(store, self._stats) if prefetch else None
-        self.cache = make_cache(self.prefetcher or store, layout, cache_budget, device_table)
+        self.cache = make_cache(self.prefetcher or store, layout, cache_budget, device_table,
+                                prefetch)
         self.next_gate = {}  # layer -> (next MoE layer, its router); set when the model is patched
         self.closed = False
 

@@ -10,8 +10,11 @@ It maps the control block and the staging buffers (shared memory, see control_bl
 the expert files itself, owns the LRU of every table layer, and loops: answer host requests
 (admit or release experts for the model process's synced calls), answer GPU requests (read the
 missing experts into the staging, pick victims, update the table and the copy list), release
-experts whose read failed once the GPU is past them. It exits when told to stop or when the
-model process goes away (its socket closes).
+experts whose read failed once the GPU is past them, and, with prefetch, start reading the
+absent experts of each hint (the GPU's prediction of a layer's next routing) into buffers of its
+own, which that layer's next request takes instead of reading them again (set-based: order does
+not matter; predictions the router did not pick are dropped). It exits when told to stop or
+when the model process goes away (its socket closes).
 
 Started by ``device_table.MissServer``: ``python -m moeflux_mlx.miss_server`` with a JSON spec
 on stdin.
@@ -25,14 +28,15 @@ import select
 import socket
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, List, Tuple
 
 import numpy as np
 
-from .control_block import (G_ERRORS, G_PENDING_RELEASE, G_READY, G_STOP, H_ERR, H_HOST_KIND,
-                            H_HOST_N, H_HOST_NMISS, H_HOST_TICKS, H_NCOPY, H_NREQ, HOST_ADMIT,
-                            HOST_RELEASE,
-                            S_BYTES, S_IO_NS, S_MISSED, S_READ, ControlBlock, SharedMapping)
+from .control_block import (G_ERRORS, G_PENDING_RELEASE, G_READY, G_STOP, H_ERR, H_HINT_N,
+                            H_HOST_KIND, H_HOST_N, H_HOST_NMISS, H_HOST_TICKS, H_NCOPY, H_NREQ,
+                            HOST_ADMIT, HOST_RELEASE, S_BYTES, S_IO_NS, S_MISSED, S_PF_HITS,
+                            S_PF_ISSUED, S_READ, ControlBlock, SharedMapping)
 from .lru import SlotLRU
 from .store import store_from_spec
 
@@ -42,6 +46,7 @@ STALL_S = 1.0  # in flight this long without progress: treated as idle (a graph 
 # tens of microseconds of latency are cheap, and a spinning poller may share a physical core with
 # the model process's Python thread, which builds the next token's graph. 0: spin (yield only).
 IN_FLIGHT_POLL_S = float(os.environ.get("MOEFLUX_SERVER_POLL_US", "20")) * 1e-6
+PREFETCH_THREADS = 4  # whole-expert reads ahead, beside the store's demand reads
 
 
 class Server:
@@ -57,6 +62,10 @@ class Server:
         self._mappings: List[SharedMapping] = []
         self.releases: List[Tuple[int, int, np.ndarray]] = []  # (index, GPU call, experts)
         self.alive = True
+        self.prefetcher = (ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="prefetch")
+                           if spec.get("prefetch") else None)
+        self.hints_seen = self.control.hints.copy()
+        self.prefetched: Dict[int, Dict[int, Future]] = {}  # table index -> expert -> its read
 
     # -- messages from the model process: staging buffers, wake-ups; EOF when it is gone ----
 
@@ -95,6 +104,51 @@ class Server:
         layer = self.control.order[i]
         return layer, self.control.layers[layer], self.lrus[layer]
 
+    def take_hints(self) -> None:
+        """Start reading the absent experts of every new hint (prefetch)."""
+        c = self.control
+        for i in np.flatnonzero(c.hints != self.hints_seen):
+            i = int(i)
+            self.hints_seen[i] = c.hints[i]
+            layer, t, _ = self._layer(i)
+            experts = np.unique(t.hint[:min(int(t.header[H_HINT_N]), t.hint.size)])
+            experts = experts[(experts >= 0) & (experts < t.num_experts)]
+            pending = self.prefetched.setdefault(i, {})
+            keep = set(experts.tolist())
+            for e in [e for e in pending if e not in keep]:
+                pending.pop(e).cancel()  # only the latest prediction counts
+            for e in experts[t.slot_of[experts] < 0].tolist():
+                if e not in pending:
+                    pending[e] = self.prefetcher.submit(self._read_one, layer, e)
+                    t.stats[S_PF_ISSUED] += 1
+
+    def _read_one(self, layer: int, e: int) -> np.ndarray:
+        buf = np.empty(self.store.layout(layer).blob_size, np.uint8)
+        self.store.layers[layer].read_one(e, buf)
+        return buf
+
+    def _read_missing(self, i: int, layer: int, missing: np.ndarray, staging: np.ndarray) -> np.ndarray:
+        """Read ``missing`` into the staging's first rows, the prefetched ones from their
+        buffers; returns the order the rows hold them in (read first, prefetched after)."""
+        pending = self.prefetched.pop(i, {})
+        bufs = {}
+        for e in missing.tolist():
+            f = pending.pop(e, None)
+            if f is not None:
+                try:
+                    bufs[e] = f.result()
+                except Exception:  # noqa: BLE001 - a prefetch is a hint: read it again below
+                    pass
+        for f in pending.values():  # predicted, not routed
+            f.cancel()
+        rest = np.array([e for e in missing.tolist() if e not in bufs], np.int64)
+        if rest.size:
+            self.store.read(layer, rest, staging[:rest.size])
+        for k, e in enumerate(bufs, start=rest.size):
+            staging[k] = bufs[e]
+        self.control.layers[layer].stats[S_PF_HITS] += len(bufs)
+        return np.concatenate([rest, np.array(list(bufs), np.int64)])
+
     def answer_gpu(self, i: int) -> None:
         c = self.control
         layer, t, lru = self._layer(i)
@@ -111,7 +165,12 @@ class Server:
                 raise RuntimeError(f"layer {layer}: {n} missed experts in one call, the staging "
                                    f"holds {staging.shape[0]}")
             t0 = time.perf_counter_ns()
-            self.store.read(layer, missing, staging[:n])
+            if self.prefetched.get(i):
+                order = self._read_missing(i, layer, missing, staging)
+                victims = victims[np.searchsorted(missing, order)]  # missing is sorted
+                missing = order
+            else:
+                self.store.read(layer, missing, staging[:n])
             t.stats[S_IO_NS] += time.perf_counter_ns() - t0
             t.stats[S_READ] += n
             t.stats[S_BYTES] += n * layout.blob_size
@@ -165,6 +224,9 @@ class Server:
         last_ticks, last_change = c.ticks.copy(), time.monotonic()
         while self.alive and not c.globals[G_STOP]:
             worked = False
+            if self.prefetcher is not None and (c.hints != self.hints_seen).any():
+                self.take_hints()
+                worked = True
             for i in c.host_pending():
                 self.answer_host(int(i))
                 worked = True
@@ -185,6 +247,8 @@ class Server:
                     self._receive(block=False)
 
     def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.shutdown(wait=True, cancel_futures=True)
         self.store.close()
         for m in self._mappings:
             m.close()

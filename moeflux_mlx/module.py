@@ -36,6 +36,10 @@ class StreamingSwitchGLU(nn.Module):
             stats.unsynced_calls += 1
             return rt.backend(x, indices, resident, self.activation)
         if rt.cache.can_resolve(self.layer, indices):  # decode on CUDA: the GPU looks slots up
+            ahead = rt.next_gate.get(self.layer) if rt.prefetcher is not None else None
+            if ahead is not None and rt.cache.can_hint(ahead[0]):  # the server reads ahead
+                predicted = predict_experts(ahead[1], x, indices.shape[-1])
+                indices = rt.cache.hint(ahead[0], indices, predicted)
             slots, pool = rt.cache.resolve(self.layer, indices, stats)
             stats.calls += 1
             stats.unsynced_calls += 1

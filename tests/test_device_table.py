@@ -59,6 +59,16 @@ def reference_resolve(control, staging, layer, indices, raw, layout):
     return mx.array(slots.astype(np.uint32)).reshape(indices.shape)
 
 
+def reference_hint(control, staging, layer, indices, predicted):
+    """What hint_cuda.cuh does, eagerly."""
+    t = control.layers[layer]
+    pred = np.array(predicted).reshape(-1)
+    t.hint[:pred.size] = pred
+    t.header[cb.H_HINT_N] = pred.size
+    control.hints[t.index] += 1
+    return indices
+
+
 @pytest.fixture(params=["reference", "cuda"])
 def table_on_cpu(request, monkeypatch):
     """The Python reference of the kernels (anywhere), or the CUDA kernels themselves."""
@@ -69,6 +79,7 @@ def table_on_cpu(request, monkeypatch):
         return
     monkeypatch.setattr(dt, "enabled", lambda requested=None: requested is not False)
     monkeypatch.setattr(dt, "resolve", reference_resolve)
+    monkeypatch.setattr(dt, "hint", reference_hint)
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +242,7 @@ def test_control_block_regions_do_not_overlap():
     views = [c.globals, c.message] + [getattr(c, v) for v in cb.VECTORS]
     for t in c.layers.values():
         views += [t.header, t.slot_of, t.last_used, t.request, t.copy_src, t.copy_dst,
-                  t.host_request, t.host_missing, t.host_victims, t.stats]
+                  t.host_request, t.host_missing, t.host_victims, t.hint, t.stats]
         assert t.slot_of.size == t.num_experts and t.last_used.size == t.n_slots
         assert t.host_request.size >= t.n_slots and t.request.size == cb.MAX_SELECTIONS
         assert (t.slot_of == -1).all() and (t.last_used == -1).all()
@@ -242,7 +253,9 @@ def test_control_block_regions_do_not_overlap():
     staging = PinnedBuffer(128)
     for layer, t in c.layers.items():
         m = np.array(dt._meta(c, staging, layer)).tolist()
-        assert len(m) == cb.META_STAGING + 2
+        assert len(m) == cb.META_HINT + 2
+        assert c.words[m[cb.META_HINT]:].ctypes.data == c.hints[t.index:].ctypes.data
+        assert c.words[m[cb.META_HINT + 1]:].ctypes.data == t.hint.ctypes.data
         assert c.words[m[3]:m[3] + t.num_experts].ctypes.data == t.slot_of.ctypes.data
         assert c.words[m[0]:].ctypes.data == c.requests[t.index:].ctypes.data
         assert c.words[m[10]:].ctypes.data == c.ticks[t.index:].ctypes.data
@@ -263,9 +276,66 @@ def tiny_store(tiny_checkpoints):
     store.close()
 
 
-def _server(store, layout, n_slots=4):
+def _server(store, layout, n_slots=4, prefetch=False):
     control = dt.make_control({i: (lay.num_experts, n_slots) for i, lay in layout.layers.items()})
-    return dt.MissServer(control, store)
+    return dt.MissServer(control, store, prefetch=prefetch)
+
+
+def _until(what, timeout=10):
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(1e-3)
+
+
+def test_hints_are_read_ahead_and_taken_by_the_next_request(tiny_store):
+    """Prefetch on the table path: the server reads a hint's absent experts ahead, the layer's
+    next request takes those bytes (set-based), and a newer hint replaces an older one."""
+    store, layout = tiny_store
+    server = _server(store, layout, prefetch=True)
+    try:
+        c = server.control
+        layer = c.order[0]
+        t, i = c.layers[layer], c.layers[layer].index
+        blob = layout.layers[layer].blob_size
+        staging = server.staging_for(blob, 4).array.reshape(-1, blob)
+
+        def publish_hint(experts):
+            reference_hint(c, None, layer, mx.array(np.array([0], np.uint32)),
+                           mx.array(np.array(experts, np.uint32)))
+
+        publish_hint([9])
+        _until(lambda: t.stats[cb.S_PF_ISSUED] == 1)
+        publish_hint([3, 5])  # replaces [9]
+        _until(lambda: t.stats[cb.S_PF_ISSUED] == 3)
+        t.request[:3] = [3, 7, 9]
+        t.header[cb.H_NREQ] = 3
+        c.requests[i] = 1
+        _wait_answer(c, i, 1)
+        assert not t.header[cb.H_ERR]
+        assert t.stats[cb.S_MISSED] == 3 and t.stats[cb.S_PF_HITS] == 1  # 3 only: 9 was replaced
+        n = int(t.header[cb.H_NCOPY])
+        assert n == 3
+        expert_in = {int(t.slot_of[e]): e for e in (3, 7, 9)}
+        for k in range(n):
+            e = expert_in[int(t.copy_dst[k])]
+            assert (staging[t.copy_src[k]] == store.read(layer, np.array([e]))[0]).all(), e
+    finally:
+        server.close()
+
+
+def test_decode_with_table_prefetch_is_exact(table_on_cpu, reference):
+    packed, prompt, want, total = reference
+    model, _ = moeflux_mlx.load(packed, cache_budget=int(0.3 * total), expert_io="pread",
+                                backend="ops", prefetch=True)
+    with model.moeflux as rt:
+        assert rt.cache.server.prefetch
+        assert _greedy(model, prompt) == want
+        rt.stats_dict()
+        t = rt.stats.total()
+        assert t.unsynced_calls > 0 and t.prefetch_issued > 0
+        assert 0 <= t.prefetch_hits <= t.experts_missed
+        assert _pool_holds_the_right_experts(rt)
 
 
 def test_server_answers_while_this_process_holds_the_gil(tiny_store):
