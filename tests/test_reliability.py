@@ -656,6 +656,9 @@ import json, os, random, signal, sys, threading, time
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 import moeflux_mlx
+# Ctrl-C as in a terminal, even when the test runner ignores SIGINT (a shell's background job
+# does, and exec keeps it ignored: the endless generations below would never end)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 path, trials, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 prompt = mx.array(json.loads(sys.argv[4]))
 def gen(m, n=8):
