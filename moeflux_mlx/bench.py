@@ -10,8 +10,8 @@ when matplotlib is installed, a PNG of tok/s against cache budget.
 
 from __future__ import annotations
 
-import gc
 import contextlib
+import gc
 import json
 import logging
 import os

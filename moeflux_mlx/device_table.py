@@ -36,7 +36,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -144,6 +144,24 @@ def _resolve_kernel():
                                output_names=["slots"], source=body, header=header)
 
 
+def _components(layout: ExpertLayout) -> tuple:
+    """``(offset, nbytes)`` of each expert component: what a copy kernel compiles in."""
+    return tuple((c.offset, c.nbytes) for c in layout.components)
+
+
+def _warps(n: int) -> int:
+    """Threads for a one-block kernel of ``n`` lanes: whole warps."""
+    return (max(n, 1) + 31) // 32 * 32
+
+
+def _flat_u32(a: mx.array) -> mx.array:
+    a = a.reshape(-1)
+    return a if a.dtype == mx.uint32 else a.astype(mx.uint32)
+
+
+COPY_GRID = dict(grid=(FILL_BLOCKS * FILL_THREADS, 1, 1), threadgroup=(FILL_THREADS, 1, 1))
+
+
 def _copy_kernel(kind: str, first_inputs: list, output: str, blob_size: int, components: tuple):
     """A kernel copying expert blobs into pool slots (``fill_cuda.cuh``, ``write_cuda.cuh``), one
     per expert layout: the component offsets and sizes (``(offset, nbytes)`` each) are
@@ -173,11 +191,9 @@ def write_in_place(blobs: mx.array, slots: np.ndarray, raw: Dict[str, mx.array],
                    layout: ExpertLayout) -> mx.array:
     """Copy ``blobs`` ``[n, blob_size]`` into the pool arrays ``raw`` at ``slots``, in place
     (see write_cuda.cuh for why a table layer needs that); lazy: evaluate what it returns."""
-    comps = tuple((c.offset, c.nbytes) for c in layout.components)
-    kernel = _write_kernel(layout.blob_size, comps)
+    kernel = _write_kernel(layout.blob_size, _components(layout))
     dst = mx.array(np.asarray(slots, np.uint32))
-    return kernel(inputs=[blobs, dst, *[raw[c.name] for c in layout.components]],
-                  grid=(FILL_BLOCKS * FILL_THREADS, 1, 1), threadgroup=(FILL_THREADS, 1, 1),
+    return kernel(inputs=[blobs, dst, *[raw[c.name] for c in layout.components]], **COPY_GRID,
                   output_shapes=[(1,)], output_dtypes=[mx.uint32])[0]
 
 
@@ -194,15 +210,14 @@ class _Launches:
     @classmethod
     def make(cls, control: ControlBlock, staging: PinnedBuffer, layer: int, layout: ExpertLayout,
              n: int) -> "_Launches":
-        threads = (max(n, 1) + 31) // 32 * 32
-        comps = tuple((c.offset, c.nbytes) for c in layout.components)
+        threads = _warps(n)
         # resolve's output carries one more word: the call's request number (0: all resident),
         # which tells fill whether the copy list is this call's
-        return cls(_meta(control, staging, layer), _fill_kernel(layout.blob_size, comps),
+        return cls(_meta(control, staging, layer),
+                   _fill_kernel(layout.blob_size, _components(layout)),
                    dict(template=[("N", n)], grid=(threads, 1, 1), threadgroup=(threads, 1, 1),
                         output_shapes=[(n + 1,)], output_dtypes=[mx.uint32]),
-                   dict(template=[("N", n)], grid=(FILL_BLOCKS * FILL_THREADS, 1, 1),
-                        threadgroup=(FILL_THREADS, 1, 1), output_shapes=[(n,)],
+                   dict(template=[("N", n)], **COPY_GRID, output_shapes=[(n,)],
                         output_dtypes=[mx.uint32]))
 
 
@@ -213,15 +228,12 @@ def hint(control: ControlBlock, staging: PinnedBuffer, layer: int, indices: mx.a
     n, k = indices.size, predicted.size
     kwargs = control.layers[layer].launches.get(("hint", n, k))
     if kwargs is None:
-        threads = (max(n, k, 1) + 31) // 32 * 32
+        threads = _warps(max(n, k))
         kwargs = control.layers[layer].launches[("hint", n, k)] = dict(
             template=[("N", n), ("K", k)], grid=(threads, 1, 1), threadgroup=(threads, 1, 1),
             output_shapes=[(n,)], output_dtypes=[mx.uint32])
-    inds = indices.reshape(-1)
-    if inds.dtype != mx.uint32:
-        inds = inds.astype(mx.uint32)
-    pred = predicted.reshape(-1).astype(mx.uint32)
-    out = _hint_kernel()(inputs=[inds, pred, _meta(control, staging, layer)], **kwargs)[0]
+    out = _hint_kernel()(inputs=[_flat_u32(indices), _flat_u32(predicted),
+                                 _meta(control, staging, layer)], **kwargs)[0]
     return out.reshape(indices.shape)
 
 
@@ -234,10 +246,7 @@ def resolve(control: ControlBlock, staging: PinnedBuffer, layer: int, indices: m
     launch = t.launches.get(n)
     if launch is None:
         launch = t.launches[n] = _Launches.make(control, staging, layer, layout, n)
-    inds = indices.reshape(-1)
-    if inds.dtype != mx.uint32:
-        inds = inds.astype(mx.uint32)
-    slots = _resolve_kernel()(inputs=[inds, launch.meta], **launch.resolve_kwargs)[0]
+    slots = _resolve_kernel()(inputs=[_flat_u32(indices), launch.meta], **launch.resolve_kwargs)[0]
     pools = [raw[c.name] for c in layout.components]
     filled = launch.fill(inputs=[slots, launch.meta, *pools], **launch.fill_kwargs)[0]
     return filled.reshape(indices.shape)
