@@ -22,14 +22,18 @@ BENCH=(python3 benchmarks/decode.py --arch qwen3_moe --size full --layers "$LAYE
        --io "${IO:-pread}" --prefetch off)  # a later --prefetch overrides
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import mlx.core as mx, psutil, tqdm; print('mlx', mx.__version__, mx.default_device())"
-# a test stuck 60 s dumps every thread's stack
+# TESTS=0 / MAIN=0 skip the tests / the main benchmark (to split the work over device calls)
+if [ "${TESTS:-1}" = 1 ]; then  # a test stuck 60 s dumps every thread's stack
 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=60 \
   tests/test_device_table.py ${GPU_TESTS:-} > "$OUT/gpu_tests.txt" 2>&1
 echo "tests: $(tail -1 "$OUT/gpu_tests.txt")"
 grep -E "^(FAILED|ERROR)|Error" "$OUT/gpu_tests.txt" | head -20
+fi
+if [ "${MAIN:-1}" = 1 ]; then
 timeout "${BENCH_TIMEOUT:-420}" "${BENCH[@]}" --budgets 1,0.99,0.25 --repeats "$ROUNDS" \
   --out "$OUT" > "$OUT/bench_log.txt" 2>&1
 grep -v "^expert \|building\|it/s\]\|transformers" "$OUT/bench_log.txt" | tail -16
+fi
 if [ "${PREFETCH:-1}" = 1 ]; then  # prefetch on the table path (hint_cuda.cuh), 25% cold
   timeout 300 "${BENCH[@]}" --budgets 0.25 --no-stock --prefetch both \
     --machine prefetch --out "$OUT/prefetch" > "$OUT/bench_prefetch_log.txt" 2>&1
