@@ -3,7 +3,8 @@
   // not involved at all. Otherwise thread 0 publishes the request and waits for the miss server
   // (another process) to read the missing experts and update the table (the GPU idles, the
   // rest of the graph stays enqueued), then every thread reads its slot again.
-  // Inputs: inds [N] uint32, meta (offsets and addresses, see device_table.py).
+  // Inputs: inds [N] uint32, meta (offsets and addresses, see device_table.py), after (unread:
+  // the previous table call's output, an edge that orders this call after it).
   // Output: slots [N + 1]; slots[N] is this call's request number, 0 when nothing was missed
   // (fill copies only for a request of its own call). The GPU never writes a word the server
   // writes (control_block.py), except last_used.

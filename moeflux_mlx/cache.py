@@ -226,6 +226,7 @@ class ExpertCache:
         self.control = None
         self.server: Optional[device_table.MissServer] = None
         self._streams: list = []  # streams table calls were enqueued on (mlx-lm uses its own)
+        self._last_table_out: Optional[mx.array] = None  # see table_call_done
         partial = {i: (layout.layers[i].num_experts, n) for i, n in self.n_slots.items()
                    if 0 < n < layout.layers[i].num_experts
                    or (use_table == "all" and n == layout.layers[i].num_experts)}
@@ -325,6 +326,11 @@ class ExpertCache:
                                           device_table.staging_rows(indices.shape[-1]))
         return device_table.hint(self.control, staging, layer, indices, predicted)
 
+    def table_call_done(self, out: mx.array) -> None:
+        """``out``, the expert computation of the table call just built: the next one's lookup
+        runs after it (see device_table.resolve)."""
+        self._last_table_out = out
+
     def resolve(self, layer: int, indices: mx.array, stats: LayerStats) -> Tuple[mx.array, ExpertPool]:
         """Lazy slots of one token's experts; the GPU waits for the miss server on misses."""
         pool = self._pool(layer)
@@ -334,7 +340,8 @@ class ExpertCache:
             self._streams.append(stream)
         staging = self.server.staging_for(layout.blob_size,
                                           device_table.staging_rows(indices.shape[-1]))
-        slots = device_table.resolve(self.control, staging, layer, indices, pool.raw, layout)
+        slots = device_table.resolve(self.control, staging, layer, indices, pool.raw, layout,
+                                     after=self._last_table_out)
         self.server.enqueued(layer)
         return slots, pool.pool
 
@@ -368,6 +375,7 @@ class ExpertCache:
         self.resident[layer] = pool.pool
 
     def close(self) -> None:
+        self._last_table_out = None
         if self.server is not None:
             try:
                 self.synchronize()  # a GPU wait still enqueued is answered before the server stops

@@ -65,9 +65,9 @@ LOAD_OPTIONS = (
                             "(default: all experts if they fit in 0.4 x RAM)")),
     ("--prefetch", dict(action="store_const", const=True, help="read the experts the next "
                         "layer's router predicts in the background")),
-    ("--device-table", dict(action="store_const", const=True, help="CUDA, opt-in: decode "
-                            "looks expert slots up on the GPU, with no host sync per layer "
-                            "(also MOEFLUX_DEVICE_TABLE=1)")),
+    ("--device-table", dict(action=argparse.BooleanOptionalAction, help="CUDA: decode looks "
+                            "expert slots up on the GPU, with no host sync per layer (default: "
+                            "on where CUDA is; also MOEFLUX_DEVICE_TABLE=0|1)")),
 )
 
 

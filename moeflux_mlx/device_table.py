@@ -36,7 +36,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -67,12 +67,15 @@ def available() -> bool:
 
 
 def enabled(requested=None) -> bool:
-    """Whether decode should use the device-side table. Opt-in (``requested`` or
-    ``MOEFLUX_DEVICE_TABLE=1``) until the in-place writes of its synced path (write_cuda.cuh)
-    have passed on a GPU. Needs CUDA."""
+    """Whether decode should use the device-side table: ``requested`` (True, False, "all"), else
+    ``MOEFLUX_DEVICE_TABLE=0|1``, else wherever it can run (MLX's CUDA backend and libcudart)."""
     if requested is None:
         env = os.environ.get("MOEFLUX_DEVICE_TABLE", "").strip().lower()
-        requested = env in ("1", "on", "true")
+        if env in ("0", "off", "false"):
+            return False
+        requested = True if env in ("1", "on", "true") else None
+    if requested is None:
+        return available()
     if requested and not available():
         log.warning("device-side slot table requested, but it needs MLX's CUDA backend and "
                     "libcudart: using a host sync per layer")
@@ -140,8 +143,9 @@ def _hint_kernel():
 @functools.lru_cache(maxsize=None)
 def _resolve_kernel():
     header, body = _header(), load_source("resolve_cuda.cuh")
-    return mx.fast.cuda_kernel(name=_named("resolve", header, body), input_names=["inds", "meta"],
-                               output_names=["slots"], source=body, header=header)
+    return mx.fast.cuda_kernel(name=_named("resolve", header, body),
+                               input_names=["inds", "meta", "after"], output_names=["slots"],
+                               source=body, header=header)
 
 
 def _components(layout: ExpertLayout) -> tuple:
@@ -238,15 +242,25 @@ def hint(control: ControlBlock, staging: PinnedBuffer, layer: int, indices: mx.a
 
 
 def resolve(control: ControlBlock, staging: PinnedBuffer, layer: int, indices: mx.array,
-            raw: Dict[str, mx.array], layout: ExpertLayout) -> mx.array:
+            raw: Dict[str, mx.array], layout: ExpertLayout,
+            after: Optional[mx.array] = None) -> mx.array:
     """Lazy slots for ``indices`` (one token's experts), made resident on the way (see above).
-    ``staging``: where the miss server reads this layout's missed experts."""
+    ``staging``: where the miss server reads this layout's missed experts. ``after``: the
+    previous table call's expert computation, which the lookup must not overtake. MLX's CUDA
+    backend runs a graph's kernels concurrently unless one reads a buffer another wrote, and
+    these kernels' effects (the table, the staging, the pool) are invisible to it: graphs
+    evaluated together (forward passes built, then evaluated at once) would interleave, a
+    later call's misses evicting slots an earlier one has yet to read. An input of the lookup
+    is an edge. Within one forward pass, and from token to token, the order is implied anyway."""
     t = control.layers[layer]
     n = indices.size
     launch = t.launches.get(n)
     if launch is None:
         launch = t.launches[n] = _Launches.make(control, staging, layer, layout, n)
-    slots = _resolve_kernel()(inputs=[_flat_u32(indices), launch.meta], **launch.resolve_kwargs)[0]
+    # viewed as bytes (no copy): one compiled lookup whatever the model's dtype
+    after = (launch.meta if after is None else after).view(mx.uint8)
+    slots = _resolve_kernel()(inputs=[_flat_u32(indices), launch.meta, after],
+                              **launch.resolve_kwargs)[0]
     pools = [raw[c.name] for c in layout.components]
     filled = launch.fill(inputs=[slots, launch.meta, *pools], **launch.fill_kwargs)[0]
     return filled.reshape(indices.shape)

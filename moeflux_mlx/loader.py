@@ -156,8 +156,8 @@ def load(path, *, expert_io: Optional[str] = None, backend: Optional[str] = None
     ``prefetch``: read the experts the next layer's router would pick for this layer's input
     in the background (see ``prefetch.py``). ``device_table``: on CUDA, decode looks slots up
     on the GPU and only the GPU waits, only on misses, for a helper process that reads them
-    (default: off; see ``device_table.py``; ``MOEFLUX_DEVICE_TABLE=0|1``); ``"all"`` also
-    looks up the experts of fully cached layers that way (to measure the lookup's cost).
+    (default: on where CUDA is; see ``device_table.py``; ``MOEFLUX_DEVICE_TABLE=0|1``); ``"all"``
+    also looks up the experts of fully cached layers that way (to measure the lookup's cost).
     Returns ``(model, tokenizer)`` like ``mlx_lm.load``; ``model.moeflux`` is the runtime
     (``stats_dict()``, ``reset_stats()``, ``close()``)."""
     path = Path(path)

@@ -45,7 +45,9 @@ class StreamingSwitchGLU(nn.Module):
             stats.unsynced_calls += 1
             stats.tokens += 1
             stats.experts_routed += indices.shape[-1]
-            return rt.backend(x, slots, pool, self.activation)
+            out = rt.backend(x, slots, pool, self.activation)
+            rt.cache.table_call_done(out)
+            return out
         t0 = time.perf_counter()
         ahead = rt.next_gate.get(self.layer) if rt.prefetcher is not None else None
         predicted = None

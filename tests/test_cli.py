@@ -146,6 +146,8 @@ def test_load_options_reach_load(packed, capsys):
     assert cli.load_kwargs(cli.build_parser().parse_args(["generate"])) == {}
     args = cli.build_parser().parse_args(["generate", "--device-table", "--prefetch"])
     assert cli.load_kwargs(args) == {"device_table": True, "prefetch": True}
+    args = cli.build_parser().parse_args(["generate", "--no-device-table"])
+    assert cli.load_kwargs(args) == {"device_table": False}
 
 
 def test_info_names_each_architecture(ckpts, capsys):

@@ -31,7 +31,7 @@ def _wait_answer(control, i, seq, timeout=10):
         time.sleep(1e-4)
 
 
-def reference_resolve(control, staging, layer, indices, raw, layout):
+def reference_resolve(control, staging, layer, indices, raw, layout, after=None):
     """What resolve_cuda.cuh + fill_cuda.cuh do, eagerly, from the main thread."""
     t = control.layers[layer]
     i = t.index
@@ -431,9 +431,11 @@ def test_pinned_buffer_is_plain_memory_without_cuda():
     b.close()
 
 
-def test_opt_in_and_needs_cuda(monkeypatch):
+def test_on_by_default_where_cuda_is(monkeypatch):
     monkeypatch.delenv("MOEFLUX_DEVICE_TABLE", raising=False)
-    assert not dt.enabled()
+    assert dt.enabled() == dt.available()
+    monkeypatch.setenv("MOEFLUX_DEVICE_TABLE", "off")
+    assert not dt.enabled() and dt.enabled(True) == dt.available()
     monkeypatch.setenv("MOEFLUX_DEVICE_TABLE", "0")
     assert not dt.enabled()
     monkeypatch.setenv("MOEFLUX_DEVICE_TABLE", "1")
