@@ -1,4 +1,8 @@
-"""Issue 3: the streaming model equals stock mlx-lm bit for bit on the CPU backend."""
+"""Issue 3: the streaming model equals stock mlx-lm bit for bit.
+
+Through the plain-MLX-ops backend (``EXACT``): it computes what mlx-lm computes, on every MLX
+backend. The fused kernels (the default on a GPU) sum in another order, close but not bit for bit
+(test_kernels.py), and on these tiny random models a greedy token can flip on a near tie."""
 
 import logging
 import subprocess
@@ -19,6 +23,7 @@ from moeflux_mlx.module import StreamingSwitchGLU
 from moeflux_mlx.store import select_expert_io
 
 MAX_TOKENS = 64
+EXACT = dict(backend="ops")
 
 
 def _prompts(tokenizer):
@@ -73,7 +78,7 @@ def test_equals_stock_mlx_lm(tiny_checkpoints, references, arch, source, expert_
     src, packed = tiny_checkpoints[arch]
     prompts, want = references[arch]
     model, _ = moeflux_mlx.load(packed if source == "packed" else src, expert_io=expert_io,
-                                cache_budget=0)
+                                cache_budget=0, **EXACT)
     with model.moeflux as rt:
         assert not any(isinstance(m, SwitchGLU) for _, m in model.named_modules())
         _assert_same(_two_turns(model, prompts), want)
@@ -89,7 +94,7 @@ def test_cache_budgets_equal_stock(tiny_checkpoints, references, arch, budget):
     prompts, want = references[arch]
     total = expert_layout(packed).total_expert_bytes
     budget_bytes = int(total * budget) if budget != "all" else "all"
-    model, _ = moeflux_mlx.load(packed, cache_budget=budget_bytes)
+    model, _ = moeflux_mlx.load(packed, cache_budget=budget_bytes, **EXACT)
     with model.moeflux as rt:
         _assert_same(_two_turns(model, prompts), want)
         t = rt.stats_dict()["total"]
@@ -106,7 +111,7 @@ def test_patch_model_on_a_user_built_model(tiny_checkpoints, references):
     src, packed = tiny_checkpoints["mixtral"]
     prompts, want = references["mixtral"]
     model, _ = mlx_lm.load(str(src), lazy=True)
-    moeflux_mlx.patch_model(model, packed)
+    moeflux_mlx.patch_model(model, packed, **EXACT)
     with model.moeflux:
         assert sum(isinstance(m, StreamingSwitchGLU) for _, m in model.named_modules()) >= 2
         _assert_same(_two_turns(model, prompts), want)
@@ -114,7 +119,7 @@ def test_patch_model_on_a_user_built_model(tiny_checkpoints, references):
 
 def test_mlx_lm_generate_and_stats_reset(tiny_checkpoints):
     src, packed = tiny_checkpoints["qwen3_5_moe"]
-    model, tokenizer = moeflux_mlx.load(packed, cache_budget=0)
+    model, tokenizer = moeflux_mlx.load(packed, cache_budget=0, **EXACT)
     ref_model, _ = mlx_lm.load(str(src))
     with model.moeflux as rt:
         text = mlx_lm.generate(model, tokenizer, "hello there", max_tokens=20)
@@ -182,7 +187,7 @@ def test_lazy_forward_passes_are_not_corrupted_by_later_reads(tiny_checkpoints, 
     src, packed = tiny_checkpoints["qwen3_moe"]
     ref, _ = mlx_lm.load(str(src))
     total = expert_layout(packed).total_expert_bytes
-    model, _ = moeflux_mlx.load(packed, cache_budget=int(budget * total))
+    model, _ = moeflux_mlx.load(packed, cache_budget=int(budget * total), **EXACT)
     x1, x2 = mx.array([[5, 17, 3, 99, 41]]), mx.array([[250, 7, 7, 120, 64, 33, 2]])
     with model.moeflux:
         a = model(x1)
