@@ -49,7 +49,8 @@ class Run:
     experts_read_per_token: float = 0.0
     mb_read_per_token: float = 0.0
     hit_rate: Optional[float] = None
-    prefetch_hits_per_token: float = 0.0
+    prefetch_issued_per_token: float = 0.0  # experts read ahead on a prediction
+    prefetch_hits_per_token: float = 0.0  # misses a read-ahead had already served
     sync_ms_per_token: float = 0.0  # waiting for router indices: includes device compute before them
     io_ms_per_token: float = 0.0
     upload_ms_per_token: float = 0.0
@@ -213,6 +214,7 @@ def _run_moeflux(path, prompt, decode_tokens, io_mode, budget_fraction, cold, ba
                   prompt_tps=ptps, decode_tokens=n, decode_tps=dtps,
                   experts_read_per_token=t.experts_read / n, mb_read_per_token=t.bytes_read / n / 1e6,
                   hit_rate=rt.stats.hit_rate if t.experts_routed else None,
+                  prefetch_issued_per_token=t.prefetch_issued / n,
                   prefetch_hits_per_token=t.prefetch_hits / n,
                   sync_ms_per_token=1e3 * t.sync_s / n, io_ms_per_token=1e3 * t.io_s / n,
                   upload_ms_per_token=1e3 * t.upload_s / n,
@@ -250,10 +252,13 @@ def sync_overhead(runs: List[Run], moe_layers: int, lookup: str = "host",
     return min(deltas) if deltas else None
 
 
-def _paired_resident(path, stock_path, prompt, decode_tokens, io_mode, backends, n) -> dict:
+def _paired_resident(path, stock_path, prompt, decode_tokens, io_mode, backends, n,
+                     table: bool = False) -> dict:
     """Stock mlx-lm and moeflux with every expert resident (one model per backend), all loaded
     at once and decoding in turn, ``n`` rounds: decode tok/s of each, and per backend the median
-    of its per-round ratio to stock (slow drifts of the machine hit both sides of a round)."""
+    of its per-round ratio to stock (slow drifts of the machine hit both sides of a round).
+    ``table``: the last backend once more, every expert looked up through the device-side
+    table; ``table_lookup_ms_per_layer`` is then the median per-round cost of that lookup."""
     import statistics
 
     import mlx_lm
@@ -269,6 +274,15 @@ def _paired_resident(path, stock_path, prompt, decode_tokens, io_mode, backends,
                 m.moeflux.close()
                 continue
             models[name] = m
+        direct = name
+        if table:
+            m, _ = moeflux_mlx.load(path, expert_io=io_mode, cache_budget="all",
+                                    backend=backends[-1], device_table="all")
+            if m.moeflux.cache.control is None:  # the table cannot run here
+                m.moeflux.close()
+                table = False
+            else:
+                models[f"{direct} table"] = m
         for m in models.values():
             _time_generation(m, prompt, 4)  # warm-up: kernels of these shapes, allocator, fills
         tps = {k: [] for k in models}
@@ -283,9 +297,14 @@ def _paired_resident(path, stock_path, prompt, decode_tokens, io_mode, backends,
         gc.collect()
         mx.clear_cache()
     stock = tps.pop("stock mlx-lm")
-    return {"rounds": n, "stock_tps": stock,
-            "moeflux": {k: {"tps": v, "median_ratio": statistics.median(
-                m / s for s, m in zip(stock, v))} for k, v in tps.items()}}
+    out = {"rounds": n, "stock_tps": stock,
+           "moeflux": {k: {"tps": v, "median_ratio": statistics.median(
+               m / s for s, m in zip(stock, v))} for k, v in tps.items()}}
+    if table:
+        layers = _moe_layers(Path(path))
+        out["table_lookup_ms_per_layer"] = statistics.median(
+            1e3 * (1 / t - 1 / d) / layers for d, t in zip(tps[direct], tps[f"{direct} table"]))
+    return out
 
 
 def paired_backends(backend: Optional[str]) -> tuple:
@@ -344,7 +363,8 @@ def run_benchmark(path, *, budgets=(1.0, 0.5, 0.25, 0.0), io_modes=("mmap", "pre
         if ref is not None:
             r.ratio_to_stock = r.decode_tps / ref.decode_tps
     paired = _paired_resident(path, stock_path, prompt, decode_tokens, io_modes[0],
-                              paired_backends(backend), repeats) if ref is not None and repeats > 1 else None
+                              paired_backends(backend), repeats, table=device_table.available()
+                              ) if ref is not None and repeats > 1 else None
     layers = _moe_layers(path)
     return {
         "sync_overhead_ms_per_layer": sync_overhead(runs, layers),
@@ -390,7 +410,9 @@ COLUMNS = [("name", "config", "{}"), ("io_mode", "io", "{}"), ("budget", "cache"
            ("lookup", "lookup", "{}"),
            ("prompt_tps", "prompt tok/s", "{:.1f}"), ("decode_tps", "decode tok/s", "{:.2f}"),
            ("ratio_to_stock", "x stock", "{:.2f}"), ("mb_read_per_token", "MB read/tok", "{:.1f}"),
-           ("hit_rate", "hit", "{:.0%}"), ("prefetch_hits_per_token", "prefetched/tok", "{:.1f}"),
+           ("hit_rate", "hit", "{:.0%}"),
+           ("prefetch_issued_per_token", "read ahead/tok", "{:.1f}"),
+           ("prefetch_hits_per_token", "prefetched/tok", "{:.1f}"),
            ("sync_ms_per_token", "sync ms/tok", "{:.2f}"),
            ("io_ms_per_token", "io ms/tok", "{:.2f}"), ("upload_ms_per_token", "upload ms/tok", "{:.2f}"),
            ("gpu_waits_per_token", "GPU waits/tok", "{:.2f}"),
@@ -430,6 +452,10 @@ def summary_lines(result: dict) -> List[str]:
             line += (f"; {name} " + ", ".join(f"{v:.3g}" for v in r["tps"])
                      + f" tok/s, median ratio to stock {r['median_ratio']:.2f}x")
         out.append(line)
+        if paired.get("table_lookup_ms_per_layer") is not None:
+            out.append("Slot lookup overhead per MoE layer, device-side table alone, from those "
+                       "rounds (the kernels with and without every expert looked up, median): "
+                       f"{paired['table_lookup_ms_per_layer']:.3f} ms")
     return out
 
 

@@ -19,11 +19,13 @@ def test_benchmark_runs_and_writes_results(tiny_checkpoints, tmp_path):
     assert by[("moeflux ops", "100%")]["hit_rate"] is None  # resident: no syncs to count
     cold = by[("moeflux ops", "25%")]
     assert cold["mb_read_per_token"] > 0 and cold["io_bound_tps"] > 0 and 0 < cold["hit_rate"] < 1
+    ahead = by[("moeflux ops +prefetch", "25%")]
+    assert ahead["prefetch_issued_per_token"] > 0 and cold["prefetch_issued_per_token"] == 0
     assert result["sync_overhead_ms_per_layer"] is not None
     files = bench.write_results(result, tmp_path, "t")
     assert json.loads(files[0].read_text())["runs"] == result["runs"]
     md = files[1].read_text()
-    assert "| config | io | cache |" in md and "identical to stock mlx-lm: 5/5" in md
+    assert "| config | io | cache |" in md and "read ahead/tok" in md and "identical to stock mlx-lm: 5/5" in md
 
 
 def test_paired_resident_rounds(tiny_checkpoints):

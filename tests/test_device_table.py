@@ -153,6 +153,21 @@ def test_all_mode_looks_up_fully_cached_layers_without_misses(table_on_cpu, refe
         assert _pool_holds_the_right_experts(rt) == n_experts
 
 
+def test_benchmark_pairs_the_lookup_alone(table_on_cpu, reference, tiny_checkpoints):
+    """The benchmark's paired rounds add the kernels with every expert looked up through the
+    table, and the lookup's cost per layer from those rounds."""
+    from moeflux_mlx import bench
+
+    packed, prompt, _, _ = reference
+    src = tiny_checkpoints["qwen3_moe"][0]
+    paired = bench._paired_resident(packed, src, prompt, 4, "pread", ("ops",), 2, table=True)
+    assert set(paired["moeflux"]) == {"moeflux ops", "moeflux ops table"}
+    assert all(len(r["tps"]) == 2 for r in paired["moeflux"].values())
+    assert isinstance(paired["table_lookup_ms_per_layer"], float)
+    lines = bench.summary_lines({"paired_resident": paired})
+    assert any("device-side table alone, from those rounds" in line for line in lines)
+
+
 def test_same_misses_as_the_synced_cache(table_on_cpu, reference):
     """The table path and the host-synced path make the same LRU decisions."""
     packed, prompt, _, total = reference
