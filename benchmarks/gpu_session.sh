@@ -1,13 +1,13 @@
 #!/bin/bash
-# One device call: the GPU tests of the device-side table (GPU_TESTS=... adds more), the decode
-# benchmark, the 25% budget with and without prefetch (PREFETCH=0 skips), then the lookup alone
-# with the miss server spinning instead of sleeping between polls (MOEFLUX_SERVER_POLL_US=0;
-# AB=0 skips). Usage on the GPU machine, after MLX is staged
-# (../shared/docs/GPU.md):
+# The GPU tests of the device-side table (GPU_TESTS=... adds more test files), the decode
+# benchmark, and the 25% budget with and without prefetch (PREFETCH=0 skips). A device call runs
+# at most 10 minutes: TESTS=0 / MAIN=0 split the work over calls. Usage on the GPU machine, after
+# MLX is staged (../shared/docs/GPU.md):
 #   bash benchmarks/gpu_session.sh [LAYERS] [ROUNDS] [DECODE_TOKENS]
 # Budgets below 100% run with both slot lookups (host sync, device-side table), and 100% also
 # through the table (the lookup alone); ROUNDS > 1 adds stock and the all-resident model (ops and
-# kernel backends) decoding in turn, ROUNDS times. A fresh machine first spends minutes in
+# kernel backends, and the kernels through the table: the lookup alone, paired) decoding in turn,
+# ROUNDS times. A fresh machine first spends minutes in
 # NVRTC compiling kernels (README, Known problems): BENCH_TIMEOUT covers that.
 set -u
 LAYERS=${1:-8}
@@ -38,9 +38,4 @@ if [ "${PREFETCH:-1}" = 1 ]; then  # prefetch on the table path (hint_cuda.cuh),
   timeout 300 "${BENCH[@]}" --budgets 0.25 --no-stock --prefetch both \
     --machine prefetch --out "$OUT/prefetch" > "$OUT/bench_prefetch_log.txt" 2>&1
   echo "prefetch:"; grep -E "^\| moeflux" "$OUT/bench_prefetch_log.txt"
-fi
-if [ "${AB:-1}" = 1 ]; then
-  MOEFLUX_SERVER_POLL_US=0 timeout 240 "${BENCH[@]}" --budgets 1 --no-stock --machine spin \
-    --out "$OUT/spin" > "$OUT/bench_spin_log.txt" 2>&1
-  echo "miss server spinning:"; grep -E "^\| moeflux|alone" "$OUT/bench_spin_log.txt"
 fi
