@@ -157,6 +157,31 @@ def test_ram_gate(monkeypatch, caplog):
     assert len(decisions) == 1 and "0.12 GB" in decisions[0] and "RAM 17.18 GB" in decisions[0]
 
 
+def test_pread_turns_readahead_off(tiny_checkpoints, monkeypatch):
+    """pread stores ask for no readahead on every expert file (their reads are scattered pieces);
+    mmap stores keep the kernel's default."""
+    import os
+
+    import moeflux_mlx.store as store
+
+    advised = []
+    monkeypatch.setattr(store.os, "posix_fadvise", lambda fd, off, n, advice:
+                        advised.append((fd, advice)), raising=False)
+    monkeypatch.setattr(store.os, "POSIX_FADV_RANDOM", getattr(os, "POSIX_FADV_RANDOM", 1),
+                        raising=False)
+    src, packed = tiny_checkpoints["qwen3_moe"]
+    for path in (packed, src):
+        advised.clear()
+        st, _ = store.open_store(path, "pread")
+        with st:
+            fds = {fd for layer in st.layers.values() for fd in layer.file_descriptors().values()}
+            assert fds and {fd for fd, a in advised if a == store.os.POSIX_FADV_RANDOM} == fds
+        advised.clear()
+        st, _ = store.open_store(path, "mmap")
+        with st:
+            assert not advised
+
+
 LOAD_RSS = textwrap.dedent("""
     import sys, psutil, mlx.core as mx, moeflux_mlx
     model, tok = moeflux_mlx.load(sys.argv[1], cache_budget=0)

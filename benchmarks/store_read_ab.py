@@ -1,0 +1,89 @@
+"""The store's cold pread of decode-sized miss batches, with the kernel's readahead off
+(``store.advise_random_reads``, what pread stores do) and on (the kernel's default), taking
+turns in rounds.
+
+It builds a 2-layer Qwen3-30B-A3B-shaped random checkpoint once, converts it, then reads batches
+of 2, 4 and 8 random experts of one layer through ``ExpertStore.read`` (8 threads, pieces of
+``READ_PIECE_BYTES``), the page cache dropped before each batch, and prints the median time per
+batch and how many bytes the disk delivered per byte asked for (``/sys/block/<dev>/stat``).
+
+    python benchmarks/store_read_ab.py [--dir /tmp/moeflux-read-ab] [--rounds 3] [--batches 20]
+"""
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from moeflux_mlx import store as st  # noqa: E402
+from moeflux_mlx import synth  # noqa: E402
+from moeflux_mlx.convert import convert  # noqa: E402
+
+MODES = ("off (pread stores)", "kernel default")
+
+
+def sectors_read(stat):
+    return int(stat.read_text().split()[2]) if stat is not None else 0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/moeflux-read-ab"))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batches", type=int, default=20)
+    args = ap.parse_args()
+    src, packed = args.dir / "plain", args.dir / "packed"
+    if not src.exists():
+        synth.build_checkpoint(src, "qwen3_moe", "full", overrides={"num_hidden_layers": 2})
+    if not packed.exists():
+        convert(src, packed)
+    dev = os.stat(packed).st_dev
+    stat = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat")
+    stat = stat if stat.exists() else None
+    advise = st.advise_random_reads
+    rng = random.Random(0)
+    rows = {}
+    for _ in range(args.rounds):
+        for mode in MODES:
+            st.advise_random_reads = advise if mode == MODES[0] else (lambda fd, what: None)
+            store, layout = st.open_store(packed, "pread", threads=8)
+            layer = sorted(layout.layers)[0]
+            lay = layout.layers[layer]
+            with store:
+                fds = [fd for src_ in store.layers.values()
+                       for fd in src_.file_descriptors().values()]
+                for k in (2, 4, 8):
+                    times, asked, got = [], 0, 0
+                    for _ in range(args.batches):
+                        for fd in fds:
+                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                        experts = np.array(sorted(rng.sample(range(lay.num_experts), k)))
+                        s0, t = sectors_read(stat), time.perf_counter()
+                        store.read(layer, experts)
+                        times.append(time.perf_counter() - t)
+                        got += (sectors_read(stat) - s0) * 512
+                        asked += k * lay.blob_size
+                    rows.setdefault((mode, k), []).append((statistics.median(times) * 1e3,
+                                                           got / asked))
+    st.advise_random_reads = advise
+    print(f"blob {lay.blob_size} bytes, pieces of {st.READ_PIECE_BYTES >> 10} KiB, 8 threads, "
+          f"{args.rounds} rounds x {args.batches} batches, page cache dropped before each batch")
+    print("| readahead | experts | median ms per round | GB/s (median round) | "
+          "disk bytes / bytes asked |")
+    print("|---|---|---|---|---|")
+    for (mode, k), v in rows.items():
+        ms = [m for m, _ in v]
+        amp = f"{statistics.mean(a for _, a in v):.2f}" if stat is not None else "-"
+        print(f"| {mode} | {k} | {' / '.join(f'{m:.1f}' for m in ms)} | "
+              f"{k * lay.blob_size / statistics.median(ms) / 1e6:.2f} | {amp} |")
+
+
+if __name__ == "__main__":
+    main()
