@@ -1,6 +1,7 @@
 #!/bin/bash
 # The GPU tests of the device-side table (GPU_TESTS=... adds more test files), the decode
-# benchmark, and the 25% budget with and without prefetch (PREFETCH=0 skips). A device call runs
+# benchmark, the 25% budget with and without prefetch (PREFETCH=0 skips), and the store's cold reads
+# with and without readahead (DISK=0 skips). A device call runs
 # at most 10 minutes: TESTS=0 / MAIN=0 split the work over calls. Usage on the GPU machine, after
 # MLX is staged (../shared/docs/GPU.md):
 #   bash benchmarks/gpu_session.sh [LAYERS] [ROUNDS] [DECODE_TOKENS]
@@ -38,4 +39,8 @@ if [ "${PREFETCH:-1}" = 1 ]; then  # prefetch on the table path (hint_cuda.cuh),
   timeout 300 "${BENCH[@]}" --budgets 0.25 --no-stock --prefetch both \
     --machine prefetch --out "$OUT/prefetch" > "$OUT/bench_prefetch_log.txt" 2>&1
   echo "prefetch:"; grep -E "^\| moeflux" "$OUT/bench_prefetch_log.txt"
+fi
+if [ "${DISK:-1}" = 1 ]; then  # the VM disk's readahead and the store's cold reads (no GPU)
+  timeout 240 python3 benchmarks/store_read_ab.py --dir /tmp/read-ab > "$OUT/store_read_ab.txt" 2>&1
+  echo "store reads:"; tail -8 "$OUT/store_read_ab.txt"
 fi
