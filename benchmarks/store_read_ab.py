@@ -3,11 +3,14 @@
 turns in rounds.
 
 It builds a 2-layer Qwen3-30B-A3B-shaped random checkpoint once, converts it, then reads batches
-of 2, 4 and 8 random experts of one layer through ``ExpertStore.read`` (8 threads, pieces of
-``READ_PIECE_BYTES``), the page cache dropped before each batch, and prints the median time per
+of 1, 2, 4 and 8 random experts of one layer through ``ExpertStore.read`` (8 threads, pieces
+of ``READ_PIECE_BYTES``), the page cache dropped before each batch, and prints the median time per
 batch and how many bytes the disk delivered per byte asked for (``/sys/block/<dev>/stat``).
+``--sweep`` then reads the same batches with readahead off at other piece sizes and thread
+counts (decode misses ~1 expert per layer at a time: latency, not throughput).
 
     python benchmarks/store_read_ab.py [--dir /tmp/moeflux-read-ab] [--rounds 3] [--batches 20]
+                                       [--sweep 256:8,512:16,1024:8,2048:8]
 """
 
 import argparse
@@ -38,6 +41,7 @@ def main():
     ap.add_argument("--dir", type=Path, default=Path("/tmp/moeflux-read-ab"))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batches", type=int, default=20)
+    ap.add_argument("--sweep", default="", help="KIB:THREADS,... (readahead off)")
     args = ap.parse_args()
     src, packed = args.dir / "plain", args.dir / "packed"
     if not src.exists():
@@ -49,31 +53,39 @@ def main():
     stat = stat if stat.exists() else None
     advise = st.advise_random_reads
     rng = random.Random(0)
+    sizes = (1, 2, 4, 8)
+
+    def batches(threads):
+        """{k: (median ms per batch, disk bytes / bytes asked)} through a fresh store."""
+        store, layout = st.open_store(packed, "pread", threads=threads)
+        layer = sorted(layout.layers)[0]
+        lay = layout.layers[layer]
+        out = {}
+        with store:
+            fds = [fd for src_ in store.layers.values() for fd in src_.file_descriptors().values()]
+            for k in sizes:
+                times, asked, got = [], 0, 0
+                for _ in range(args.batches):
+                    for fd in fds:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    experts = np.array(sorted(rng.sample(range(lay.num_experts), k)))
+                    s0, t = sectors_read(stat), time.perf_counter()
+                    store.read(layer, experts)
+                    times.append(time.perf_counter() - t)
+                    got += (sectors_read(stat) - s0) * 512
+                    asked += k * lay.blob_size
+                out[k] = (statistics.median(times) * 1e3, got / asked)
+        return out, lay.blob_size
+
     rows = {}
     for _ in range(args.rounds):
         for mode in MODES:
             st.advise_random_reads = advise if mode == MODES[0] else (lambda fd, what: None)
-            store, layout = st.open_store(packed, "pread", threads=8)
-            layer = sorted(layout.layers)[0]
-            lay = layout.layers[layer]
-            with store:
-                fds = [fd for src_ in store.layers.values()
-                       for fd in src_.file_descriptors().values()]
-                for k in (2, 4, 8):
-                    times, asked, got = [], 0, 0
-                    for _ in range(args.batches):
-                        for fd in fds:
-                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                        experts = np.array(sorted(rng.sample(range(lay.num_experts), k)))
-                        s0, t = sectors_read(stat), time.perf_counter()
-                        store.read(layer, experts)
-                        times.append(time.perf_counter() - t)
-                        got += (sectors_read(stat) - s0) * 512
-                        asked += k * lay.blob_size
-                    rows.setdefault((mode, k), []).append((statistics.median(times) * 1e3,
-                                                           got / asked))
+            got, blob = batches(8)
+            for k, v in got.items():
+                rows.setdefault((mode, k), []).append(v)
     st.advise_random_reads = advise
-    print(f"blob {lay.blob_size} bytes, pieces of {st.READ_PIECE_BYTES >> 10} KiB, 8 threads, "
+    print(f"blob {blob} bytes, pieces of {st.READ_PIECE_BYTES >> 10} KiB, 8 threads, "
           f"{args.rounds} rounds x {args.batches} batches, page cache dropped before each batch")
     print("| readahead | experts | median ms per round | GB/s (median round) | "
           "disk bytes / bytes asked |")
@@ -82,7 +94,19 @@ def main():
         ms = [m for m, _ in v]
         amp = f"{statistics.mean(a for _, a in v):.2f}" if stat is not None else "-"
         print(f"| {mode} | {k} | {' / '.join(f'{m:.1f}' for m in ms)} | "
-              f"{k * lay.blob_size / statistics.median(ms) / 1e6:.2f} | {amp} |")
+              f"{k * blob / statistics.median(ms) / 1e6:.2f} | {amp} |")
+    if args.sweep:
+        default_piece = st.READ_PIECE_BYTES
+        print("\nreadahead off, other pieces and threads (one round each):")
+        print("| piece KiB | threads | " + " | ".join(f"{k} experts ms (GB/s)" for k in sizes) + " |")
+        print("|---|---|" + "---|" * len(sizes))
+        for spec in args.sweep.split(","):
+            kib, threads = (int(v) for v in spec.split(":"))
+            st.READ_PIECE_BYTES = kib << 10
+            got, blob = batches(threads)
+            print(f"| {kib} | {threads} | " + " | ".join(
+                f"{ms:.1f} ({k * blob / ms / 1e6:.2f})" for k, (ms, _) in got.items()) + " |")
+        st.READ_PIECE_BYTES = default_piece
 
 
 if __name__ == "__main__":

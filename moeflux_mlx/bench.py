@@ -252,13 +252,30 @@ def sync_overhead(runs: List[Run], moe_layers: int, lookup: str = "host",
     return min(deltas) if deltas else None
 
 
+class SkippedExperts:
+    """A stand-in backend that reads no expert weight and launches no kernel: it hands ``x`` back
+    as every expert's output (``[..., K, H]``, a broadcast). Decode with it is the fastest any
+    expert kernel could make the model: the rest of the model alone. Tokens are meaningless."""
+
+    name = "experts skipped"
+
+    def __call__(self, x: mx.array, slots: mx.array, pool, activation) -> mx.array:
+        shape = (*x.shape[:-1], slots.shape[-1], x.shape[-1])
+        return mx.broadcast_to(mx.expand_dims(x, -2), shape)
+
+
+CEILING = "moeflux experts skipped (ceiling)"
+
+
 def _paired_resident(path, stock_path, prompt, decode_tokens, io_mode, backends, n,
                      table: bool = False) -> dict:
     """Stock mlx-lm and moeflux with every expert resident (one model per backend), all loaded
     at once and decoding in turn, ``n`` rounds: decode tok/s of each, and per backend the median
     of its per-round ratio to stock (slow drifts of the machine hit both sides of a round).
     ``table``: the last backend once more, every expert looked up through the device-side
-    table; ``table_lookup_ms_per_layer`` is then the median per-round cost of that lookup."""
+    table; ``table_lookup_ms_per_layer`` is then the median per-round cost of that lookup.
+    The rounds also decode with the experts' computation skipped (``SkippedExperts``): its
+    ratio to stock is the ceiling of what faster expert kernels can give this model."""
     import statistics
 
     import mlx_lm
@@ -283,6 +300,9 @@ def _paired_resident(path, stock_path, prompt, decode_tokens, io_mode, backends,
                 table = False
             else:
                 models[f"{direct} table"] = m
+        m, _ = moeflux_mlx.load(path, expert_io=io_mode, cache_budget="all", backend="ops")
+        m.moeflux.backend = SkippedExperts()
+        models[CEILING] = m
         for m in models.values():
             _time_generation(m, prompt, 4)  # warm-up: kernels of these shapes, allocator, fills
         tps = {k: [] for k in models}
@@ -452,6 +472,11 @@ def summary_lines(result: dict) -> List[str]:
             line += (f"; {name} " + ", ".join(f"{v:.3g}" for v in r["tps"])
                      + f" tok/s, median ratio to stock {r['median_ratio']:.2f}x")
         out.append(line)
+        ceiling = paired["moeflux"].get(CEILING)
+        if ceiling is not None:
+            out.append("Ceiling: with the experts' computation skipped (no weight read, no kernel), "
+                       f"the rest of the model decodes at {ceiling['median_ratio']:.2f}x stock; "
+                       "no expert kernel can make this model faster than that.")
         if paired.get("table_lookup_ms_per_layer") is not None:
             out.append("Slot lookup overhead per MoE layer, device-side table alone, from those "
                        "rounds (the kernels with and without every expert looked up, median): "
