@@ -541,6 +541,8 @@ def add_args(p) -> None:
     p.add_argument("--arch", default="qwen3_moe", choices=synth.ARCHITECTURES)
     p.add_argument("--size", default="small", choices=synth.SIZES)
     p.add_argument("--layers", type=int, help="number of decoder layers of the built model")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config field of the built model, e.g. num_experts=16 (JSON value)")
     p.add_argument("--build-dir", type=Path, default=Path(".cache/bench-models"))
     p.add_argument("--budgets", default="1,0.99,0.5,0.25,0",
                    help="cache budgets as fractions of the experts (0.99: nearly all hits, one "
@@ -559,6 +561,17 @@ def add_args(p) -> None:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
 
 
+def parse_config_setting(text: str):
+    """``"num_experts=16"`` -> ``("num_experts", 16)`` (the value read as JSON, else a string)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--set wants KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def run_cli(args) -> int:
     import datetime
 
@@ -566,10 +579,14 @@ def run_cli(args) -> int:
 
     model = args.model
     if model is None:
-        overrides = {"num_hidden_layers": args.layers} if args.layers else None
-        model = args.build_dir / (f"{args.arch}-{args.size}" + (f"-{args.layers}l" if args.layers else ""))
+        overrides = dict(parse_config_setting(v) for v in args.set)
+        name = f"{args.arch}-{args.size}" + "".join(f"-{k}{v}" for k, v in overrides.items())
+        if args.layers:
+            overrides["num_hidden_layers"] = args.layers
+            name += f"-{args.layers}l"
+        model = args.build_dir / name
         if not model.exists():
-            synth.build_checkpoint(model, args.arch, args.size, overrides=overrides)
+            synth.build_checkpoint(model, args.arch, args.size, overrides=overrides or None)
     result = run_benchmark(
         model, budgets=[float(b) for b in args.budgets.split(",")], io_modes=args.io.split(","),
         prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,

@@ -60,3 +60,23 @@ def test_page_cache_dropper_drops_while_it_runs(tiny_checkpoints):
         while dropper.drops < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
     assert dropper.drops >= 3 and not dropper._thread.is_alive()
+
+
+def test_cli_builds_the_model_it_is_told(tmp_path):
+    """``--set`` and ``--layers`` shape the built random model (the same per-token work with fewer
+    experts builds faster), and the run writes its results."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bench.add_args(parser)
+    args = parser.parse_args(["--size", "tiny", "--set", "num_experts=6", "--layers", "2",
+                              "--build-dir", str(tmp_path / "m"), "--budgets", "1", "--io", "mmap",
+                              "--prefetch", "off", "--prompt-tokens", "4", "--decode-tokens", "2",
+                              "--no-stock", "--out", str(tmp_path / "r"), "--machine", "t"])
+    assert bench.run_cli(args) == 0
+    built = tmp_path / "m" / "qwen3_moe-tiny-num_experts6-2l"
+    config = json.loads((built / "config.json").read_text())
+    assert config["num_experts"] == 6 and config["num_hidden_layers"] == 2
+    assert list((tmp_path / "r").glob("*-t-decode.json"))
+    with __import__("pytest").raises(SystemExit, match="KEY=VALUE"):
+        bench.parse_config_setting("num_experts")
