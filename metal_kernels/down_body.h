@@ -1,4 +1,5 @@
-  // ==== down: y[p, r] = Wd[s] . h[p] for pair p, s = slots[p]
+  // ==== down: y[p, r] = Wd[s] . h[p] for pair p = t * TOPK + k, s = slots[p]
+  // (hin [..., TOPK, IN_DIM] and slots [..., TOPK] may be strided; y is [..., TOPK, OUT_DIM])
   // template: T, BITS, GSZ, IN_DIM (intermediate I), OUT_DIM (hidden H), TOPK, LPR, NW, RPW,
   //           NR (rows per row group and iteration, loaded together)
   // grid: x = threadgroups over rows (NW*32 threads each), y = T * TOPK pairs.
@@ -18,8 +19,9 @@
   MF_SHARED float mf_xsum[NCH];
 
   const int pair = MF_BY;
-  const long slot = long(slots[pair]);
-  mf_stage<BITS, IN_DIM, NT>(hin + long(pair) * IN_DIM, mf_xs, mf_xsum, MF_TID);
+  const long slot = long(slots[mf_loc(pair, slots_shape, slots_strides, slots_ndim)]);
+  mf_stage<BITS, IN_DIM, NT>(hin + mf_loc(long(pair) * IN_DIM, hin_shape, hin_strides, hin_ndim),
+                             long(hin_strides[hin_ndim - 1]), mf_xs, mf_xsum, MF_TID);
   MF_BARRIER();
 
   const int sub = MF_LANE % LPR;

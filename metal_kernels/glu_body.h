@@ -1,4 +1,5 @@
   // ==== glu: h[p, r] = swiglu(Wg[s] . x[t], Wu[s] . x[t]) for pair p = t * TOPK + k, s = slots[p]
+  // (x [..., IN_DIM] and slots [..., TOPK] may be strided; h is [..., TOPK, OUT_DIM], contiguous)
   // template: T (activation dtype), BITS, GSZ (group size), IN_DIM (hidden H), OUT_DIM (intermediate I),
   //           TOPK, LPR (lanes per row), NW (warps per threadgroup), RPW (row iterations per threadgroup)
   // grid: x = threadgroups over rows (NW*32 threads each), y = T * TOPK pairs.
@@ -18,8 +19,9 @@
 
   const int pair = MF_BY;
   const int tok = pair / TOPK;
-  const long slot = long(slots[pair]);
-  mf_stage<BITS, IN_DIM, NT>(x + long(tok) * IN_DIM, mf_xs, mf_xsum, MF_TID);
+  const long slot = long(slots[mf_loc(pair, slots_shape, slots_strides, slots_ndim)]);
+  mf_stage<BITS, IN_DIM, NT>(x + mf_loc(long(tok) * IN_DIM, x_shape, x_strides, x_ndim),
+                             long(x_strides[x_ndim - 1]), mf_xs, mf_xsum, MF_TID);
   MF_BARRIER();
 
   const int sub = MF_LANE % LPR;

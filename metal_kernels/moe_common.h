@@ -70,13 +70,27 @@ template <> struct MfChunk<8> {
   }
 };
 
-// Stage one activation vector of IN_DIM elements into threadgroup memory, converted to fp32 and
+// Where logical element `idx` (row-major over `shape`) of an input lies, in elements. MLX passes
+// <name>_shape / _strides / _ndim for inputs the body names them for, so the wrappers hand over
+// x and the router's slots as they are (a strided slice, any leading dims): no copy or reshape
+// node is added to the graph, and each node costs host time at every decode step.
+template <typename S, typename St>
+MF_INLINE long mf_loc(long idx, S shape, St strides, int ndim) {
+  long loc = 0;
+  for (int d = ndim - 1; d >= 0; --d) {
+    loc += (idx % long(shape[d])) * long(strides[d]);
+    idx /= long(shape[d]);
+  }
+  return loc;
+}
+
+// Stage one activation vector of IN_DIM elements (element stride st) into threadgroup memory, converted to fp32 and
 // pre-scaled for the trick above, laid out so that the lanes of a warp reading consecutive chunks
 // c hit consecutive float4 (conflict-free 16-byte reads): xs[v * NCH + c] holds elements
 // 4v..4v+3 of chunk c. xsum[c] is the plain sum of chunk c. All NT threads must call this
 // (it uses warp shuffles); the caller places the barrier.
 template <int BITS, int IN_DIM, int NT, typename P>
-MF_INLINE void mf_stage(P src, MF_TG float4* xs, MF_TG float* xsum, int tid) {
+MF_INLINE void mf_stage(P src, long st, MF_TG float4* xs, MF_TG float* xsum, int tid) {
   constexpr int EPC = 128 / BITS;  // elements per 16-byte chunk
   constexpr int NCH = IN_DIM / EPC;
   constexpr int PER = 16 / BITS;   // elements per 16-bit half word
@@ -88,10 +102,10 @@ MF_INLINE void mf_stage(P src, MF_TG float4* xs, MF_TG float* xsum, int tid) {
     const bool in = q < NQ;
     float v0 = 0.0f, v1 = 0.0f, v2 = 0.0f, v3 = 0.0f;
     if (in) {
-      v0 = mf_tof(src[4 * q]);
-      v1 = mf_tof(src[4 * q + 1]);
-      v2 = mf_tof(src[4 * q + 2]);
-      v3 = mf_tof(src[4 * q + 3]);
+      v0 = mf_tof(src[4 * q * st]);
+      v1 = mf_tof(src[(4 * q + 1) * st]);
+      v2 = mf_tof(src[(4 * q + 2) * st]);
+      v3 = mf_tof(src[(4 * q + 3) * st]);
     }
     float s = (v0 + v1) + (v2 + v3);
     MF_UNROLL

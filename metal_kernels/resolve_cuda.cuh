@@ -3,8 +3,9 @@
   // not involved at all. Otherwise thread 0 publishes the request and waits for the miss server
   // (another process) to read the missing experts and update the table (the GPU idles, the
   // rest of the graph stays enqueued), then every thread reads its slot again.
-  // Inputs: inds [N] uint32, meta (offsets and addresses, see device_table.py), after (unread:
-  // the previous table call's output, an edge that orders this call after it).
+  // Inputs: inds [..., K] (N in all; uint32 or int32, read through its strides: the router's
+  // slice as it is), meta (offsets and addresses, see device_table.py), after (unread, any
+  // dtype: the previous table call's output, an edge that orders this call after it).
   // Output: slots [N + 1]; slots[N] is this call's request number, 0 when nothing was missed
   // (fill copies only for a request of its own call). The GPU never writes a word the server
   // writes (control_block.py), except last_used.
@@ -17,7 +18,7 @@
   __syncthreads();
   int e = -1;
   if (t < N) {
-    e = int(inds[t]);
+    e = int(inds[mf_loc(t, inds_shape, inds_strides, inds_ndim)]);
     if (e < 0 || e >= n_experts) atomicOr(&bad, 1);
     else if (mf_ld_relaxed(c + tab + e) < 0) atomicOr(&miss, 1);
   }
@@ -28,7 +29,8 @@
     if (bad) {
       mf_st_relaxed(c + fault_at, MF_FAULT_INDEX);
     } else if (miss) {
-      for (int i = 0; i < N; ++i) mf_st_relaxed(c + reqi + i, int(inds[i]));
+      for (int i = 0; i < N; ++i)
+        mf_st_relaxed(c + reqi + i, int(inds[mf_loc(i, inds_shape, inds_strides, inds_ndim)]));
       mf_st_relaxed(c + base + MF_H_NREQ, N);
       seq = mf_ld_relaxed(c + done_at) + 1;
       mf_st_release(c + req_at, seq);  // publishes the request words above

@@ -120,7 +120,8 @@ def _defines(**values) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _header() -> str:
-    return (load_source("prelude_cuda.cuh") + "\n" + load_source("table_cuda.cuh") + "\n"
+    return (load_source("prelude_cuda.cuh") + "\n" + load_source("moe_common.h") + "\n"
+            + load_source("table_cuda.cuh") + "\n"
             + _defines(H_ERR=H_ERR, H_NREQ=H_NREQ, H_NCOPY=H_NCOPY, H_WAITS=H_WAITS,
                        H_WAIT_US=H_WAIT_US, H_HOST_TICKS=H_HOST_TICKS, H_HINT_N=H_HINT_N,
                        FAULT_INDEX=FAULT_INDEX, FAULT_TIMEOUT=FAULT_TIMEOUT,
@@ -161,6 +162,12 @@ def _warps(n: int) -> int:
 def _flat_u32(a: mx.array) -> mx.array:
     a = a.reshape(-1)
     return a if a.dtype == mx.uint32 else a.astype(mx.uint32)
+
+
+def _index_array(a: mx.array) -> mx.array:
+    """Router indices as resolve reads them (through their strides): no graph node unless the
+    dtype is neither uint32 nor int32."""
+    return a if a.dtype in (mx.uint32, mx.int32) else a.astype(mx.uint32)
 
 
 COPY_GRID = dict(grid=(FILL_BLOCKS * FILL_THREADS, 1, 1), threadgroup=(FILL_THREADS, 1, 1))
@@ -213,15 +220,18 @@ class _Launches:
 
     @classmethod
     def make(cls, control: ControlBlock, staging: PinnedBuffer, layer: int, layout: ExpertLayout,
-             n: int) -> "_Launches":
+             indices: mx.array, after: mx.array) -> "_Launches":
+        n = indices.size
         threads = _warps(n)
         # resolve's output carries one more word: the call's request number (0: all resident),
-        # which tells fill whether the copy list is this call's
+        # which tells fill whether the copy list is this call's. The input dtypes are template
+        # arguments only to tell MLX's kernel cache (by name) one signature from another.
         return cls(_meta(control, staging, layer),
                    _fill_kernel(layout.blob_size, _components(layout)),
-                   dict(template=[("N", n)], grid=(threads, 1, 1), threadgroup=(threads, 1, 1),
+                   dict(template=[("N", n), ("IDX", indices.dtype), ("AFTER", after.dtype)],
+                        grid=(threads, 1, 1), threadgroup=(threads, 1, 1),
                         output_shapes=[(n + 1,)], output_dtypes=[mx.uint32]),
-                   dict(template=[("N", n)], **COPY_GRID, output_shapes=[(n,)],
+                   dict(template=[("N", n)], **COPY_GRID, output_shapes=[tuple(indices.shape)],
                         output_dtypes=[mx.uint32]))
 
 
@@ -253,17 +263,18 @@ def resolve(control: ControlBlock, staging: PinnedBuffer, layer: int, indices: m
     later call's misses evicting slots an earlier one has yet to read. An input of the lookup
     is an edge. Within one forward pass, and from token to token, the order is implied anyway."""
     t = control.layers[layer]
-    n = indices.size
-    launch = t.launches.get(n)
+    indices = _index_array(indices)
+    if after is None:
+        after = _meta(control, staging, layer)
+    key = (tuple(indices.shape), indices.dtype, after.dtype)
+    launch = t.launches.get(key)
     if launch is None:
-        launch = t.launches[n] = _Launches.make(control, staging, layer, layout, n)
-    # viewed as bytes (no copy): one compiled lookup whatever the model's dtype
-    after = (launch.meta if after is None else after).view(mx.uint8)
-    slots = _resolve_kernel()(inputs=[_flat_u32(indices), launch.meta, after],
-                              **launch.resolve_kwargs)[0]
+        launch = t.launches[key] = _Launches.make(control, staging, layer, layout, indices, after)
+    # two graph nodes (decode is host-bound, docs/kernels.md): indices and after go in as they
+    # are, and fill's output is declared in the router's shape
+    slots = _resolve_kernel()(inputs=[indices, launch.meta, after], **launch.resolve_kwargs)[0]
     pools = [raw[c.name] for c in layout.components]
-    filled = launch.fill(inputs=[slots, launch.meta, *pools], **launch.fill_kwargs)[0]
-    return filled.reshape(indices.shape)
+    return launch.fill(inputs=[slots, launch.meta, *pools], **launch.fill_kwargs)[0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -139,8 +139,8 @@ def _kernel(kind: str, dialect: str, variant: str = "plain"):
     if k is None:
         header, body = kernel_text(kind, dialect, variant)
         inputs = _COMBINE_VARIANTS[variant][0] if kind == "combine" else _INPUTS[kind]
-        # glu/down read the pools in place through their strides (no copy of a strided pool);
-        # their small inputs are made contiguous by the wrappers. combine wants row-contiguous.
+        # glu/down read every input through its strides: pools in place (no copy of a strided
+        # pool), x and slots as the router hands them over (no node). combine wants row-contiguous.
         contiguous = kind == "combine"
         make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
         k = make(name=kernel_name(kind, dialect, variant), input_names=list(inputs),
@@ -228,18 +228,17 @@ def _check_proj(a: Dict[str, mx.array], proj: str, out_dim: int, in_dim: int, bi
 SLOT_DTYPES = (mx.int32, mx.uint32)  # the kernels read either as a slot number
 
 
-def _tokens_slots(x: mx.array, slots: mx.array) -> Tuple[mx.array, mx.array]:
-    if x.ndim != 2 or slots.ndim != 2 or slots.shape[0] != x.shape[0]:
-        raise ValueError(f"expected x [T, D] and slots [T, K], got {x.shape} and {slots.shape}")
-    if slots.dtype not in SLOT_DTYPES:
-        slots = slots.astype(mx.int32)
-    return mx.contiguous(x), mx.contiguous(slots)
+def _slots(slots: mx.array) -> mx.array:
+    return slots if slots.dtype in SLOT_DTYPES else slots.astype(mx.int32)
 
 
 @dataclass
 class Launch:
     """One kernel launch with everything but its two varying inputs worked out and checked:
-    call it with ``x [T, in]`` and ``slots [T, K]`` (contiguous, int32/uint32)."""
+    call it with the activations (``x [..., in]`` for glu, ``h [..., K, in]`` for down) and
+    ``slots [..., K]`` (int32/uint32), strided or not: the kernels read them through their
+    strides, so no copy or reshape node enters the graph (decode is host-bound: every node
+    costs host time per layer and token, see docs/kernels.md)."""
 
     kernel: object
     arrays: List[mx.array]
@@ -249,8 +248,9 @@ class Launch:
         return self.kernel(inputs=[x, slots, *self.arrays], init_value=init_value, **self.kwargs)[0]
 
 
-def _prepare(kind: str, dtype, pool_arrays, n_tok: int, topk: int, bits, group_size, dialect,
-             config, in_dim, out_dim) -> Launch:
+def _prepare(kind: str, dtype, pool_arrays, lead: Tuple[int, ...], topk: int, bits, group_size,
+             dialect, config, in_dim, out_dim) -> Launch:
+    """``lead``: the leading (token) dims of x and slots; the output is ``[*lead, topk, out_dim]``."""
     _check_dialect(dialect)
     _check_quant(bits, group_size)
     if in_dim % group_size or in_dim % (128 // bits):
@@ -259,7 +259,7 @@ def _prepare(kind: str, dtype, pool_arrays, n_tok: int, topk: int, bits, group_s
         raise ValueError(f"{kind}: activations must be float16/bfloat16/float32, not {dtype}")
     if 4 * (in_dim + _chunks(in_dim, bits)) > SHARED_LIMIT[dialect]:
         raise ValueError(f"{kind}: input dim {in_dim} too large for threadgroup memory")
-    pairs = n_tok * topk
+    pairs = math.prod(lead) * topk
     cfg = dict(default_config(kind, in_dim, out_dim, bits, pairs), **(config or {}))
     _check_config(kind, cfg, in_dim, bits)
     rows_per_iter = cfg["nw"] * 32 // cfg["lpr"] * cfg.get("nr", 1)
@@ -273,15 +273,7 @@ def _prepare(kind: str, dtype, pool_arrays, n_tok: int, topk: int, bits, group_s
         template.append(("NR", cfg["nr"]))
     return Launch(_kernel(kind, dialect), [pool_arrays[k] for k in _POOL_KEYS[kind]],
                   dict(template=template, grid=(n_groups * nt, pairs, 1), threadgroup=(nt, 1, 1),
-                       output_shapes=[(n_tok, topk, out_dim)], output_dtypes=[dtype]))
-
-
-def _launch(kind: str, x, pool_arrays, slots, bits, group_size, dialect, config, init_value,
-            in_dim, out_dim):
-    x, slots = _tokens_slots(x, slots)
-    launch = _prepare(kind, x.dtype, pool_arrays, *slots.shape, bits, group_size, dialect,
-                      config, in_dim, out_dim)
-    return launch(x, slots, init_value)
+                       output_shapes=[(*lead, topk, out_dim)], output_dtypes=[dtype]))
 
 
 def glu_matvec(x: mx.array, pool_arrays: Dict[str, mx.array], slots: mx.array, *, bits: int,
@@ -289,32 +281,39 @@ def glu_matvec(x: mx.array, pool_arrays: Dict[str, mx.array], slots: mx.array, *
                init_value: Optional[float] = None) -> mx.array:
     """``h[t,k,:] = silu(Wg[s] @ x[t]) * (Wu[s] @ x[t])``, ``s = slots[t,k]``.
 
-    x ``[T, H]`` (float16/bfloat16/float32), slots ``[T, K]`` (int) -> h ``[T, K, I]`` in x.dtype.
-    ``config`` overrides the launch shape (see ``default_config``); ``init_value`` fills the
-    output before the kernel runs (tests poison it with NaN)."""
+    x ``[..., H]`` (float16/bfloat16/float32), slots ``[..., K]`` (int) -> h ``[..., K, I]`` in
+    x.dtype; x and slots may be strided. ``config`` overrides the launch shape (see
+    ``default_config``); ``init_value`` fills the output before the kernel runs (tests poison it
+    with NaN)."""
     a = pool_arrays
     in_dim = x.shape[-1]
     out_dim = a["gate_proj.weight"].shape[1]
+    if x.ndim < 2 or tuple(slots.shape[:-1]) != tuple(x.shape[:-1]):
+        raise ValueError(f"expected x [..., D] and slots [..., K] with the same leading dims, "
+                         f"got {x.shape} and {slots.shape}")
     _check_quant(bits, group_size)
     _check_proj(a, "gate_proj", out_dim, in_dim, bits, group_size)
     _check_proj(a, "up_proj", out_dim, in_dim, bits, group_size)
-    return _launch("glu", x, a, slots, bits, group_size, dialect, config, init_value, in_dim,
-                   out_dim)
+    launch = _prepare("glu", x.dtype, a, tuple(x.shape[:-1]), slots.shape[-1], bits, group_size,
+                      dialect, config, in_dim, out_dim)
+    return launch(x, _slots(slots), init_value)
 
 
 def down_matvec(h: mx.array, pool_arrays: Dict[str, mx.array], slots: mx.array, *, bits: int,
                 group_size: int, dialect: str, config: Optional[dict] = None,
                 init_value: Optional[float] = None) -> mx.array:
-    """``y[t,k,:] = Wd[s] @ h[t,k,:]``: h ``[T, K, I]``, slots ``[T, K]`` -> y ``[T, K, H]`` in h.dtype."""
+    """``y[t,k,:] = Wd[s] @ h[t,k,:]``: h ``[..., K, I]``, slots ``[..., K]`` -> y ``[..., K, H]`` in
+    h.dtype; h and slots may be strided."""
     a = pool_arrays
-    if h.ndim != 3 or tuple(h.shape[:2]) != tuple(slots.shape):
-        raise ValueError(f"expected h [T, K, I] matching slots [T, K], got {h.shape}, {slots.shape}")
+    if h.ndim < 2 or tuple(h.shape[:-1]) != tuple(slots.shape):
+        raise ValueError(f"expected h [..., K, I] matching slots [..., K], got {h.shape}, {slots.shape}")
     in_dim = h.shape[-1]
     out_dim = a["down_proj.weight"].shape[1]
     _check_quant(bits, group_size)
     _check_proj(a, "down_proj", out_dim, in_dim, bits, group_size)
-    return _launch("down", h.reshape(-1, in_dim), a, slots.reshape(-1, 1), bits, group_size,
-                   dialect, config, init_value, in_dim, out_dim).reshape(*h.shape[:2], out_dim)
+    launch = _prepare("down", h.dtype, a, tuple(slots.shape[:-1]), slots.shape[-1], bits,
+                      group_size, dialect, config, in_dim, out_dim)
+    return launch(h, _slots(slots), init_value)
 
 
 def combine(residual: mx.array, y: mx.array, weights: mx.array, shared: Optional[mx.array] = None,
@@ -433,11 +432,8 @@ class KernelBackend:
         if plan is None:
             return self.fallback(x, slots, pool, activation)
         glu, down = plan
-        hid, topk = x.shape[-1], slots.shape[-1]
-        x2, s2 = _tokens_slots(x.reshape(-1, hid), slots.reshape(-1, topk))
-        h = glu(x2, s2)
-        y = down(h.reshape(-1, h.shape[-1]), s2.reshape(-1, 1))
-        return y.reshape(*x.shape[:-1], topk, hid)
+        slots = _slots(slots)
+        return down(glu(x, slots), slots)  # two graph nodes per layer, nothing else
 
     def _plan(self, x, slots, pool, activation) -> Optional[Tuple[Launch, Launch]]:
         """The two launches for calls shaped like this one, or None: the fallback takes them."""
@@ -447,11 +443,10 @@ class KernelBackend:
                       slots.shape, why)
             return None
         q = pool.quantization
-        hid, topk = x.shape[-1], slots.shape[-1]
-        n_tok = math.prod(x.shape[:-1])
+        hid, topk, lead = x.shape[-1], slots.shape[-1], tuple(x.shape[:-1])
         inter = pool.arrays["gate_proj.weight"].shape[1]
-        glu = _prepare("glu", x.dtype, pool.arrays, n_tok, topk, q.bits, q.group_size,
+        glu = _prepare("glu", x.dtype, pool.arrays, lead, topk, q.bits, q.group_size,
                        self.dialect, None, hid, inter)
-        down = _prepare("down", x.dtype, pool.arrays, n_tok * topk, 1, q.bits, q.group_size,
+        down = _prepare("down", x.dtype, pool.arrays, lead, topk, q.bits, q.group_size,
                         self.dialect, None, inter, hid)
         return glu, down

@@ -309,6 +309,36 @@ def test_pool_views_without_copies():
 
 
 @needs_gpu
+def test_strided_activations_and_slots():
+    """x and slots are read through their strides, as mlx-lm hands them over (the router's
+    ``argpartition(...)[..., -k:]`` is a strided slice): bit-identical to contiguous copies,
+    for leading dims [T] and [1, T], inner stride 2 and a transposed view."""
+    hid, inter, n, topk, bits, gs = 512, 256, 9, 4, 4, 64
+    arrays = make_arrays(n, hid, inter, bits, gs, mx.bfloat16, seed=5)
+    q = dict(bits=bits, group_size=gs, dialect=DIALECT)
+    n_tok = 3
+    logits = mx.random.normal((1, n_tok, n))
+    slots = mx.argpartition(logits, kth=-topk, axis=-1)[..., -topk:]
+    wide = mx.random.normal((1, n_tok, 2 * hid)).astype(mx.bfloat16)
+    cases = {"stride2": wide[..., ::2],
+             "transposed": mx.random.normal((hid, n_tok)).astype(mx.bfloat16).T[None]}
+    for label, x in cases.items():
+        xc, sc = mx.contiguous(x), mx.contiguous(slots)
+        h0 = K.glu_matvec(xc[0], arrays, sc[0], **q)
+        y0 = K.down_matvec(h0, arrays, sc[0], **q)
+        h = K.glu_matvec(x, arrays, slots, init_value=float("nan"), **q)
+        y = K.down_matvec(h, arrays, slots, init_value=float("nan"), **q)
+        assert h.shape == (1, n_tok, topk, inter) and y.shape == (1, n_tok, topk, hid)
+        assert mx.array_equal(h[0], h0).item() and mx.array_equal(y[0], y0).item(), label
+        # down reads h through its strides too
+        ht = mx.swapaxes(mx.swapaxes(h, 1, 2).astype(mx.float32).astype(mx.bfloat16), 1, 2)
+        assert mx.array_equal(K.down_matvec(ht, arrays, slots, **q), y).item(), label
+        kb = K.KernelBackend(DIALECT, OpsBackend())
+        assert mx.array_equal(kb(x, slots, ExpertPool(arrays, Quantization(bits, gs)), SwiGLU()),
+                              y).item(), label
+
+
+@needs_gpu
 @pytest.mark.parametrize("variant", ["plain", "shared", "gated"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: DNAME[d])
 def test_combine(dtype, variant):
@@ -518,6 +548,30 @@ def test_backend_plans_once_per_pool_and_shape():
     other = _cpu_pool()
     kb(mx.random.normal((1, 1, 256)), s[:, :1], other, SwiGLU())
     assert len(calls) == 3 and len(other.plans) == 1  # a new pool plans anew
+
+
+def test_backend_adds_two_graph_nodes(monkeypatch):
+    """Decode is bound by the host's work per graph node (docs/kernels.md): the backend hands
+    x and the router's slots to the two launches as they are, with no copy or reshape node, and
+    declares outputs already shaped like SwitchGLU's."""
+    launched = []
+
+    def fake_kernel(kind, dialect, variant="plain"):
+        def run(inputs, output_shapes, output_dtypes, **kw):
+            launched.append((kind, inputs[0], inputs[1], output_shapes[0]))
+            return [mx.zeros(output_shapes[0], output_dtypes[0])]
+        return run
+
+    monkeypatch.setattr(K, "_kernel", fake_kernel)
+    kb = K.KernelBackend("cuda", OpsBackend())
+    kb._available = True
+    pool = _cpu_pool()
+    x = mx.random.normal((1, 1, 256))
+    slots = mx.argpartition(mx.random.normal((1, 1, 6)), kth=-4, axis=-1)[..., -4:]
+    out = kb(x, slots, pool, SwiGLU())
+    (g, gx, gs, gshape), (d, dh, ds, dshape) = launched
+    assert (g, d) == ("glu", "down") and gx is x and gs is slots and ds is slots
+    assert gshape == (1, 1, 4, 128) and dshape == out.shape == (1, 1, 4, 256)
 
 
 def test_wrappers_validate_before_launch():
