@@ -43,6 +43,9 @@ class StreamingRuntime:
         self.cache = make_cache(self.prefetcher or store, layout, cache_budget, device_table,
                                 prefetch)
         self.next_gate = {}  # layer -> (next MoE layer, its router); set when the model is patched
+        # where each forward pass checks what the miss server or the GPU ran into (once per pass:
+        # decode is host-bound, and the per-layer check cost more than the lookup)
+        self.first_layer = min(layout.layers) if layout.layers else None
         self.closed = False
 
     @property

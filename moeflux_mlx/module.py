@@ -28,7 +28,8 @@ class StreamingSwitchGLU(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         rt = self._runtime
         rt.check_open()
-        rt.cache.check()  # what the miss server or the GPU ran into since the last call
+        if self.layer == rt.first_layer:  # what the miss server or the GPU ran into since
+            rt.cache.check()              # the last forward pass
         stats = rt.stats.layer(self.layer)
         resident = rt.cache.resident_pool(self.layer)
         if resident is not None:  # every expert resident, slot == expert id: no host sync

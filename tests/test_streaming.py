@@ -64,6 +64,18 @@ def references(tiny_checkpoints):
     return refs
 
 
+def _stock(references, arch):
+    """Stock mlx-lm's prompts and output for ``arch``; skips where stock itself returns NaN.
+    MLX 0.32.4's CUDA backend does for the tiny deepseek_v3 (its MLA attention gives NaN from
+    layer 0 on prompts of more than one token, while the CPU is fine: measured on an H100,
+    benchmarks/results/2026-11-24-h100-notes.md); moeflux runs the same attention code."""
+    prompts, want = references[arch]
+    if any(mx.isnan(lp).any().item() for turns in want for _, lp in turns):
+        pytest.skip(f"stock mlx-lm returns NaN for {arch} on {mx.default_device()}: "
+                    "nothing to compare with")
+    return prompts, want
+
+
 def _assert_same(got, want):
     for (g1, g2), (w1, w2) in zip(got, want):
         for (gt, gl), (wt, wl) in ((g1, w1), (g2, w2)):
@@ -76,7 +88,7 @@ def _assert_same(got, want):
 @pytest.mark.parametrize("expert_io", ["pread", "mmap"])
 def test_equals_stock_mlx_lm(tiny_checkpoints, references, arch, source, expert_io):
     src, packed = tiny_checkpoints[arch]
-    prompts, want = references[arch]
+    prompts, want = _stock(references, arch)
     model, _ = moeflux_mlx.load(packed if source == "packed" else src, expert_io=expert_io,
                                 cache_budget=0, **EXACT)
     with model.moeflux as rt:
@@ -91,7 +103,7 @@ def test_equals_stock_mlx_lm(tiny_checkpoints, references, arch, source, expert_
 @pytest.mark.parametrize("budget", [0.25, "all"])
 def test_cache_budgets_equal_stock(tiny_checkpoints, references, arch, budget):
     src, packed = tiny_checkpoints[arch]
-    prompts, want = references[arch]
+    prompts, want = _stock(references, arch)
     total = expert_layout(packed).total_expert_bytes
     budget_bytes = int(total * budget) if budget != "all" else "all"
     model, _ = moeflux_mlx.load(packed, cache_budget=budget_bytes, **EXACT)
@@ -109,7 +121,7 @@ def test_cache_budgets_equal_stock(tiny_checkpoints, references, arch, budget):
 
 def test_patch_model_on_a_user_built_model(tiny_checkpoints, references):
     src, packed = tiny_checkpoints["mixtral"]
-    prompts, want = references["mixtral"]
+    prompts, want = _stock(references, "mixtral")
     model, _ = mlx_lm.load(str(src), lazy=True)
     moeflux_mlx.patch_model(model, packed, **EXACT)
     with model.moeflux:
