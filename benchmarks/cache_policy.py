@@ -7,12 +7,13 @@ each layer's trace through a cache of C slots under each policy, for several bud
 
 ``lru``     evict the least recently used expert not needed by this token (moeflux's policy)
 ``lfu``     evict the least frequently used so far (ties: least recently used)
-``decay``   evict the lowest exponentially decayed use count (half-life ``--half-life`` tokens)
+``decay``   evict the lowest exponentially decayed use count (half-lives ``--half-life`` tokens)
 ``random``  evict a random resident expert not needed now
 ``opt``     Belady's offline optimum: evict the expert whose next use is farthest away (an upper
             bound no online policy reaches; it shows how much room there is above LRU)
 
     python benchmarks/cache_policy.py [MODEL] [--tokens 256] [--budgets 0.1,0.25,0.5,0.75]
+    python benchmarks/cache_policy.py --traces results/...-cache-policy.json --half-life 8,32,128
 
 Without MODEL it builds a random qwen3_moe (8 layers, 128 experts, top-8, small hidden size).
 Random weights route differently from trained ones: measure on the real model to decide.
@@ -116,35 +117,42 @@ def record_traces(model_path: Path, prompts: List[List[int]], tokens: int) -> Di
     return dict(traces)
 
 
+def columns(half_lives: Sequence[float]) -> List[tuple]:
+    """(column name, policy, half-life): one decay column per half-life."""
+    cols = [("lru", "lru", 0.0), ("lfu", "lfu", 0.0)]
+    cols += [(f"decay {h:g}", "decay", h) for h in half_lives]
+    return cols + [("random", "random", 0.0), ("opt", "opt", 0.0)]
+
+
 def run(traces: Dict[int, list], num_experts: Dict[int, int], budgets: Sequence[float],
-        half_life: float) -> dict:
+        half_lives: Sequence[float]) -> dict:
     rows = []
     for frac in budgets:
         row = {"budget": frac}
-        for policy in POLICIES:
+        for name, policy, half_life in columns(half_lives):
             hits = routed = 0
             for layer, trace in traces.items():
                 top_k = max(len(s) for s in trace)
                 n_slots = max(top_k, int(round(frac * num_experts[layer])))
-                hits += simulate(trace, n_slots, policy, half_life)
+                hits += simulate(trace, n_slots, policy, half_life or 32.0)
                 routed += sum(len(s) for s in trace)
-            row[policy] = hits / routed
+            row[name] = hits / routed
         rows.append(row)
-    return {"rows": rows, "layers": len(traces),
+    return {"rows": rows, "columns": [c[0] for c in columns(half_lives)], "layers": len(traces),
             "tokens": min(len(t) for t in traces.values()) if traces else 0}
 
 
 def format_table(result: dict) -> str:
-    lines = ["| budget | " + " | ".join(POLICIES) + " | opt - lru |", "|---|" + "---|" * (len(POLICIES) + 1)]
+    cols = result["columns"]
+    lines = ["| budget | " + " | ".join(cols) + " | opt - lru |", "|---|" + "---|" * (len(cols) + 1)]
     for r in result["rows"]:
-        lines.append(f"| {r['budget']:.0%} | " + " | ".join(f"{r[p]:.1%}" for p in POLICIES)
+        lines.append(f"| {r['budget']:.0%} | " + " | ".join(f"{r[c]:.1%}" for c in cols)
                      + f" | {r['opt'] - r['lru']:+.1%} |")
     return "\n".join(lines)
 
 
 def main():
-    from moeflux_mlx import bench, synth
-    from moeflux_mlx.checkpoint import expert_layout
+    from moeflux_mlx import bench
 
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -152,11 +160,44 @@ def main():
     ap.add_argument("--tokens", type=int, default=256, help="decode tokens per prompt")
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--budgets", default="0.1,0.25,0.5,0.75")
-    ap.add_argument("--half-life", type=float, default=32.0)
+    ap.add_argument("--half-life", default="32", help="decay half-lives in tokens, comma-separated")
+    ap.add_argument("--traces", type=Path, help="replay the traces saved in an earlier result")
     ap.add_argument("--build-dir", type=Path, default=Path(".cache/bench-models"))
     ap.add_argument("--machine", default=None)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
+    half_lives = [float(h) for h in args.half_life.split(",")]
+    budgets = [float(b) for b in args.budgets.split(",")]
+    if args.traces is not None:
+        saved = json.loads(args.traces.read_text())
+        traces = {int(k): v for k, v in saved["traces"].items()}
+        num_experts = {int(k): v for k, v in saved["num_experts"].items()}
+        model, n_prompts, n_tokens = saved["model"], saved["prompts"], saved["tokens"]
+    else:
+        model, traces, num_experts = _record(args)
+        n_prompts, n_tokens = args.prompts, args.tokens
+    result = run(traces, num_experts, budgets, half_lives)
+    result.update(model=str(model), machine=bench.machine_name(), half_lives=half_lives,
+                  prompts=n_prompts, tokens=n_tokens, num_experts=num_experts,
+                  traces={str(k): v for k, v in traces.items()})
+    table = format_table(result)
+    head = (f"# Expert cache policies: hit rate on {Path(model).name}\n\n"
+            f"Machine: {result['machine']}. {result['layers']} MoE layers, {n_prompts} prompts x "
+            f"{n_tokens} greedy decode tokens; per layer a cache of budget x experts slots; "
+            f"decay half-lives in tokens.\n")
+    print(head + "\n" + table)
+    tag = args.machine or bench.machine_tag(result["machine"])
+    stem = f"{datetime.date.today().isoformat()}-{tag}-cache-policy"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stem}.json").write_text(json.dumps(result))
+    (args.out / f"{stem}.md").write_text(head + "\n" + table + "\n")
+    print(f"wrote {args.out / stem}.{{json,md}}")
+
+
+def _record(args):
+    from moeflux_mlx import synth
+    from moeflux_mlx.checkpoint import expert_layout
+
     model = args.model
     if model is None:
         model = args.build_dir / "qwen3_moe-small-128x8-8l"
@@ -167,22 +208,7 @@ def main():
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, 64).tolist() for _ in range(args.prompts)]
     traces = record_traces(model, prompts, args.tokens)
-    result = run(traces, {k: v.num_experts for k, v in layout.layers.items()},
-                 [float(b) for b in args.budgets.split(",")], args.half_life)
-    result.update(model=str(model), machine=bench.machine_name(), half_life=args.half_life,
-                  prompts=args.prompts)
-    table = format_table(result)
-    head = (f"# Expert cache policies: hit rate on {Path(model).name}\n\n"
-            f"Machine: {result['machine']}. {result['layers']} MoE layers, {args.prompts} prompts x "
-            f"{args.tokens} greedy decode tokens; per layer a cache of budget x experts slots; "
-            f"decay half-life {args.half_life:g} tokens.\n")
-    print(head + "\n" + table)
-    tag = args.machine or bench.machine_tag(result["machine"])
-    stem = f"{datetime.date.today().isoformat()}-{tag}-cache-policy"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    (args.out / f"{stem}.md").write_text(head + "\n" + table + "\n")
-    print(f"wrote {args.out / stem}.{{json,md}}")
+    return model, traces, {k: v.num_experts for k, v in layout.layers.items()}
 
 
 if __name__ == "__main__":

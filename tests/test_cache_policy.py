@@ -43,8 +43,9 @@ def test_traces_from_decode(tiny_checkpoints):
     assert traces and all(len(t) == 10 for t in traces.values())  # 2 prompts x 5 decode tokens
     top_k = {len(s) for t in traces.values() for s in t}
     assert len(top_k) == 1
-    result = cp.run(traces, {k: 16 for k in traces}, [0.25, 0.5], half_life=8)
+    result = cp.run(traces, {k: 16 for k in traces}, [0.25, 0.5], half_lives=[8, 64])
     assert [r["budget"] for r in result["rows"]] == [0.25, 0.5]
     for r in result["rows"]:
-        assert r["opt"] >= max(r[p] for p in cp.POLICIES) - 1e-12
+        assert r["opt"] >= max(r[c] for c in result["columns"]) - 1e-12
+    assert result["columns"] == ["lru", "lfu", "decay 8", "decay 64", "random", "opt"]
     assert "| 25% |" in cp.format_table(result)
