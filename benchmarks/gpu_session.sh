@@ -1,7 +1,8 @@
 #!/bin/bash
 # The GPU tests of the device-side table (GPU_TESTS=... adds more test files), the decode
 # benchmark, the 25% budget with and without prefetch (PREFETCH=0 skips), and the store's cold reads
-# with and without readahead (DISK=0 skips). A device call runs
+# with and without readahead (DISK=0 skips), and the host probe's A/B of the miss server's poll
+# cap (POLL=0 skips). A device call runs
 # at most 10 minutes: TESTS=0 / MAIN=0 split the work over calls. Usage on the GPU machine, after
 # MLX is staged (../shared/docs/GPU.md):
 #   bash benchmarks/gpu_session.sh [LAYERS] [ROUNDS] [DECODE_TOKENS]
@@ -18,6 +19,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 # a stalled device-table wait gives up after 5 s instead of 60 (DeviceWaitError)
 export MOEFLUX_WAIT_TIMEOUT_S=5
+# NVRTC's output kept on disk: later calls on the same warm machine skip the minutes of compiling
+export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/root/mlx-ptx-cache}
 BENCH=(python3 benchmarks/decode.py --arch qwen3_moe --size full --layers "$LAYERS"
        --build-dir /tmp/bench-models --decode-tokens "$TOKENS" --prompt-tokens 128
        --io "${IO:-pread}" --prefetch off)  # a later --prefetch overrides
@@ -44,4 +47,12 @@ if [ "${DISK:-1}" = 1 ]; then  # the VM disk's readahead and the store's cold re
   timeout 300 python3 benchmarks/store_read_ab.py --dir /tmp/read-ab \
     --sweep 256:8,256:16,1024:8,2048:8 > "$OUT/store_read_ab.txt" 2>&1
   echo "store reads:"; tail -16 "$OUT/store_read_ab.txt"
+fi
+if [ "${POLL:-1}" = 1 ]; then  # the poller's host cost: fixed 20 us polls vs backing off to 1 ms
+  MODEL=/tmp/bench-models/qwen3_moe-full-${LAYERS}l
+  [ -d "$MODEL" ] || python3 -c "from pathlib import Path; from moeflux_mlx import synth; \
+synth.build_checkpoint(Path('$MODEL'), 'qwen3_moe', 'full', overrides={'num_hidden_layers': $LAYERS})"
+  timeout "${POLL_TIMEOUT:-300}" python3 benchmarks/host_probe.py "$MODEL" --rounds "$ROUNDS" \
+    --poll-max-us 20,1000 > "$OUT/host_probe.txt" 2>&1
+  echo "host probe:"; grep -v transformers "$OUT/host_probe.txt" | tail -12
 fi

@@ -4,16 +4,19 @@ one token at a time without overlap; then the same models decoding pipelined, as
 
 Models: stock mlx-lm, moeflux with every expert resident through the plain ops, through the
 fused kernels, through the fused kernels with every expert looked up in the device-side table,
-and with the experts skipped (the ceiling, see bench.py).
+and with the experts skipped (the ceiling, see bench.py). ``--poll-max-us 20,1000`` loads one
+table model per cap on the miss server's poll interval (``MOEFLUX_SERVER_POLL_MAX_US``; 20 is a
+fixed 20 us poll, the old default), so the poller's cost is compared within one run.
 If build + encode is close to the pipelined time per token, decode is bound by the host, and
 what counts is how many graph nodes a layer adds, not how fast its kernels run.
 
-    python benchmarks/host_probe.py MODEL [--tokens 64] [--rounds 3]
+    python benchmarks/host_probe.py MODEL [--tokens 64] [--rounds 3] [--poll-max-us 20,1000]
 
 MODEL: a plain mlx-lm checkpoint (e.g. one ``benchmarks/decode.py`` built).
 """
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -66,15 +69,23 @@ def main():
     ap.add_argument("model", type=Path)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--poll-max-us", default="",
+                    help="comma-separated caps: one table model each (else the default cap)")
     args = ap.parse_args()
     mx.random.seed(0)
     prompt = mx.random.randint(0, 256, (128,)).astype(mx.uint32)
     models = {"stock mlx-lm": mlx_lm.load(str(args.model))[0]}
-    for name, backend, table in (("moeflux ops", "ops", None), ("moeflux kernels", "auto", None),
-                                 ("moeflux kernels, table", "auto", "all"),
-                                 ("experts skipped", "ops", None)):
+    variants = [("moeflux ops", "ops", None, None), ("moeflux kernels", "auto", None, None)]
+    caps = [c for c in args.poll_max_us.split(",") if c]
+    variants += [(f"moeflux kernels, table (poll cap {c} us)", "auto", "all", c) for c in caps] or [
+        ("moeflux kernels, table", "auto", "all", None)]
+    variants.append(("experts skipped", "ops", None, None))
+    for name, backend, table, cap in variants:
+        if cap is not None:  # read by the miss server process this load starts
+            os.environ["MOEFLUX_SERVER_POLL_MAX_US"] = cap
         m, _ = moeflux_mlx.load(args.model, cache_budget="all", backend=backend,
                                 device_table=table)
+        os.environ.pop("MOEFLUX_SERVER_POLL_MAX_US", None)
         if backend == "auto" and not isinstance(m.moeflux.backend, kernels.KernelBackend) or (
                 table and m.moeflux.cache.control is None):
             m.moeflux.close()  # no GPU kernels or table here

@@ -379,6 +379,40 @@ def test_server_answers_while_this_process_holds_the_gil(tiny_store):
         server.close()
 
 
+def test_poll_interval_backs_off_to_its_cap():
+    from moeflux_mlx import miss_server as ms
+    steps = [ms.IN_FLIGHT_POLL_S]
+    for _ in range(40):
+        steps.append(ms.next_poll_interval(steps[-1]))
+    assert all(b >= a for a, b in zip(steps, steps[1:]))
+    assert steps[-1] == ms.MAX_POLL_S and steps[1] <= ms.POLL_GROWTH * steps[0]
+    assert ms.next_poll_interval(0.0) == 0.0  # MOEFLUX_SERVER_POLL_US=0 keeps spinning
+
+
+def test_request_after_a_long_quiet_spell_is_answered_promptly(tiny_store):
+    """Every expert resident means table calls in flight and no request: the server's poll
+    interval grows to its cap. A miss arriving then must still be answered within ~the cap."""
+    from moeflux_mlx import miss_server as ms
+    store, layout = tiny_store
+    server = _server(store, layout)
+    try:
+        c = server.control
+        t = c.layers[c.order[0]]
+        server.staging_for(layout.layers[c.order[0]].blob_size, 4)
+        c.expected[t.index] = c.ticks[t.index] + 1  # a table call in flight, the GPU silent
+        time.sleep(0.2)  # long past the ~20 empty polls that reach the cap
+        t.request[:1] = [6]
+        t.header[cb.H_NREQ] = 1
+        start = time.monotonic()
+        c.requests[t.index] = 1
+        _wait_answer(c, t.index, 1)
+        waited = time.monotonic() - start
+        assert waited < 0.1, f"{waited * 1e3:.1f} ms to answer (cap {ms.MAX_POLL_S * 1e3} ms)"
+        assert t.slot_of[6] >= 0
+    finally:
+        server.close()
+
+
 def test_host_requests_admit_and_release(tiny_store):
     store, layout = tiny_store
     server = _server(store, layout, n_slots=3)
