@@ -498,7 +498,7 @@ def write_results(result: dict, out_dir: Path, stem: str) -> List[Path]:
           "from the page cache (as if the experts were many times RAM); mmap runs are cold only at "
           "their start (mapped pages cannot be dropped).", "",
           format_table(result), ""]
-    md += [line + "." for line in summary_lines(result)]
+    md += [line if line.endswith(".") else line + "." for line in summary_lines(result)]
     if result["tokens_identical_to_stock"] is not None:
         same = result["tokens_identical_to_stock"]
         md.append(f"Greedy tokens identical to stock mlx-lm: {sum(same.values())}/{len(same)} runs.")
