@@ -7,13 +7,16 @@ of 1, 2, 4 and 8 random experts of one layer through ``ExpertStore.read`` (8 thr
 of ``READ_PIECE_BYTES``), the page cache dropped before each batch, and prints the median time per
 batch and how many bytes the disk delivered per byte asked for (``/sys/block/<dev>/stat``).
 ``--sweep`` then reads the same batches with readahead off at other piece sizes and thread
-counts (decode misses ~1 expert per layer at a time: latency, not throughput).
+counts (decode misses ~1 expert per layer at a time: latency, not throughput). ``--dropper`` adds
+a third mode: readahead off while the decode benchmark's ``PageCacheDropper`` drops the files
+every millisecond beside the reads, as it does during cold runs (does the dropping slow them?).
 
     python benchmarks/store_read_ab.py [--dir /tmp/moeflux-read-ab] [--rounds 3] [--batches 20]
-                                       [--sweep 256:8,512:16,1024:8,2048:8]
+                                       [--sweep 256:8,512:16,1024:8,2048:8] [--dropper]
 """
 
 import argparse
+import contextlib
 import os
 import random
 import statistics
@@ -26,10 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from moeflux_mlx import store as st  # noqa: E402
+from moeflux_mlx.bench import PageCacheDropper  # noqa: E402
 from moeflux_mlx import synth  # noqa: E402
 from moeflux_mlx.convert import convert  # noqa: E402
 
 MODES = ("off (pread stores)", "kernel default")
+DROPPER = "off, 1 ms dropper running"
 
 
 def sectors_read(stat):
@@ -42,6 +47,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batches", type=int, default=20)
     ap.add_argument("--sweep", default="", help="KIB:THREADS,... (readahead off)")
+    ap.add_argument("--dropper", action="store_true", help="also read beside the bench's dropper")
     args = ap.parse_args()
     src, packed = args.dir / "plain", args.dir / "packed"
     if not src.exists():
@@ -55,13 +61,14 @@ def main():
     rng = random.Random(0)
     sizes = (1, 2, 4, 8)
 
-    def batches(threads):
+    def batches(threads, dropper=False):
         """{k: (median ms per batch, disk bytes / bytes asked)} through a fresh store."""
         store, layout = st.open_store(packed, "pread", threads=threads)
         layer = sorted(layout.layers)[0]
         lay = layout.layers[layer]
         out = {}
-        with store:
+        files = sorted(packed.glob("packed_experts/*.bin"))
+        with store, PageCacheDropper(files) if dropper else contextlib.nullcontext():
             fds = [fd for src_ in store.layers.values() for fd in src_.file_descriptors().values()]
             for k in sizes:
                 times, asked, got = [], 0, 0
@@ -79,9 +86,9 @@ def main():
 
     rows = {}
     for _ in range(args.rounds):
-        for mode in MODES:
-            st.advise_random_reads = advise if mode == MODES[0] else (lambda fd, what: None)
-            got, blob = batches(8)
+        for mode in MODES + ((DROPPER,) if args.dropper else ()):
+            st.advise_random_reads = advise if mode != MODES[1] else (lambda fd, what: None)
+            got, blob = batches(8, dropper=mode == DROPPER)
             for k, v in got.items():
                 rows.setdefault((mode, k), []).append(v)
     st.advise_random_reads = advise
