@@ -23,7 +23,8 @@ export MOEFLUX_WAIT_TIMEOUT_S=5
 export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/root/mlx-ptx-cache}
 BENCH=(python3 benchmarks/decode.py --arch qwen3_moe --size full --layers "$LAYERS"
        --build-dir /tmp/bench-models --decode-tokens "$TOKENS" --prompt-tokens 128
-       --io "${IO:-pread}" --prefetch off)  # a later --prefetch overrides
+       --io "${IO:-pread}" --prefetch off --convert)  # a later --prefetch overrides; --convert:
+       # the experts stream from packed_experts/, as for a model larger than RAM (stock: the plain one)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import mlx.core as mx, psutil, tqdm; print('mlx', mx.__version__, mx.default_device())"
 # TESTS=0 / MAIN=0 skip the tests / the main benchmark (to split the work over device calls)

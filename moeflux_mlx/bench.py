@@ -553,6 +553,9 @@ def add_args(p) -> None:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--bench-backend", default=None, help="expert backend (default: auto)")
     p.add_argument("--no-stock", action="store_true", help="skip stock mlx-lm")
+    p.add_argument("--convert", action="store_true",
+                   help="stream the experts from a converted copy (MODEL-packed, made once), as "
+                        "for a model larger than RAM; stock mlx-lm runs from MODEL")
     p.add_argument("--repeats", type=int, default=1,
                    help="with N > 1: also load stock and the all-resident configuration (on a GPU "
                         "with the ops and the kernel backends) side by side and let them decode "
@@ -587,10 +590,20 @@ def run_cli(args) -> int:
         model = args.build_dir / name
         if not model.exists():
             synth.build_checkpoint(model, args.arch, args.size, overrides=overrides or None)
+    stock_path = None
+    if args.convert and not is_packed(model):
+        # one contiguous blob per expert; a plain checkpoint scatters each over nine ranges,
+        # which read cold at ~0.8x the speed (benchmarks/results/2026-11-24-h100-notes.md)
+        from .convert import convert
+
+        packed = model.with_name(model.name + "-packed")
+        if not packed.exists():
+            convert(model, packed)
+        model, stock_path = packed, model
     result = run_benchmark(
         model, budgets=[float(b) for b in args.budgets.split(",")], io_modes=args.io.split(","),
         prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
-        stock=not args.no_stock, backend=args.bench_backend, repeats=args.repeats,
+        stock=not args.no_stock, stock_path=stock_path, backend=args.bench_backend, repeats=args.repeats,
         prefetch={"off": (False,), "on": (True,), "both": (False, True)}[args.prefetch])
     print(format_table(result))
     for line in summary_lines(result):

@@ -1,6 +1,7 @@
 """The decode benchmark runs end to end and reports what it measured."""
 
 import json
+from pathlib import Path
 
 from moeflux_mlx import bench
 
@@ -80,3 +81,20 @@ def test_cli_builds_the_model_it_is_told(tmp_path):
     assert list((tmp_path / "r").glob("*-t-decode.json"))
     with __import__("pytest").raises(SystemExit, match="KEY=VALUE"):
         bench.parse_config_setting("num_experts")
+
+
+def test_cli_convert_streams_from_the_packed_copy_and_runs_stock_from_the_original(tmp_path):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bench.add_args(parser)
+    args = parser.parse_args(["--size", "tiny", "--layers", "2", "--convert",
+                              "--build-dir", str(tmp_path / "m"), "--budgets", "1", "--io", "pread",
+                              "--prefetch", "off", "--prompt-tokens", "4", "--decode-tokens", "2",
+                              "--out", str(tmp_path / "r"), "--machine", "t"])
+    assert bench.run_cli(args) == 0
+    packed = tmp_path / "m" / "qwen3_moe-tiny-2l-packed"
+    assert (packed / "packed_experts").is_dir()
+    result = json.loads(next((tmp_path / "r").glob("*-t-decode.json")).read_text())
+    assert Path(result["model"]).name == packed.name
+    assert result["runs"][0]["name"] == "stock mlx-lm"
