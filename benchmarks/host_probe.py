@@ -81,11 +81,13 @@ def main():
         ("moeflux kernels, table", "auto", "all", None)]
     variants.append(("experts skipped", "ops", None, None))
     for name, backend, table, cap in variants:
+        env = dict(os.environ)
         if cap is not None:  # read by the miss server process this load starts
             os.environ["MOEFLUX_SERVER_POLL_MAX_US"] = cap
         m, _ = moeflux_mlx.load(args.model, cache_budget="all", backend=backend,
                                 device_table=table)
-        os.environ.pop("MOEFLUX_SERVER_POLL_MAX_US", None)
+        os.environ.clear()
+        os.environ.update(env)
         if backend == "auto" and not isinstance(m.moeflux.backend, kernels.KernelBackend) or (
                 table and m.moeflux.cache.control is None):
             m.moeflux.close()  # no GPU kernels or table here

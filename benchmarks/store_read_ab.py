@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from moeflux_mlx import store as st  # noqa: E402
-from moeflux_mlx.bench import PageCacheDropper  # noqa: E402
+from moeflux_mlx.bench import PageCacheDropper, expert_files  # noqa: E402
 from moeflux_mlx import synth  # noqa: E402
 from moeflux_mlx.convert import convert  # noqa: E402
 
@@ -67,8 +67,7 @@ def main():
         layer = sorted(layout.layers)[0]
         lay = layout.layers[layer]
         out = {}
-        files = sorted(packed.glob("packed_experts/*.bin"))
-        with store, PageCacheDropper(files) if dropper else contextlib.nullcontext():
+        with store, PageCacheDropper(expert_files(packed)) if dropper else contextlib.nullcontext():
             fds = [fd for src_ in store.layers.values() for fd in src_.file_descriptors().values()]
             for k in sizes:
                 times, asked, got = [], 0, 0

@@ -603,7 +603,8 @@ def run_cli(args) -> int:
     result = run_benchmark(
         model, budgets=[float(b) for b in args.budgets.split(",")], io_modes=args.io.split(","),
         prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
-        stock=not args.no_stock, stock_path=stock_path, backend=args.bench_backend, repeats=args.repeats,
+        stock=not args.no_stock, stock_path=stock_path, backend=args.bench_backend,
+        repeats=args.repeats,
         prefetch={"off": (False,), "on": (True,), "both": (False, True)}[args.prefetch])
     print(format_table(result))
     for line in summary_lines(result):

@@ -53,12 +53,12 @@ IN_FLIGHT_POLL_S = float(os.environ.get("MOEFLUX_SERVER_POLL_US", "20")) * 1e-6
 MAX_POLL_S = max(IN_FLIGHT_POLL_S,
                  float(os.environ.get("MOEFLUX_SERVER_POLL_MAX_US", "1000")) * 1e-6)
 POLL_GROWTH = 1.25
+PREFETCH_THREADS = 4  # whole-expert reads ahead, beside the store's demand reads
 
 
 def next_poll_interval(interval: float) -> float:
     """The interval after an empty poll: grown, but no longer than MAX_POLL_S."""
     return min(interval * POLL_GROWTH, MAX_POLL_S)
-PREFETCH_THREADS = 4  # whole-expert reads ahead, beside the store's demand reads
 
 
 class Server:
