@@ -17,7 +17,8 @@ import logging
 import os
 import platform
 import random
-import threading
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -71,48 +72,65 @@ def expert_files(path: Path) -> List[Path]:
 
 
 def drop_page_cache(files: Sequence[Path]) -> None:
-    """Evict the files' pages from the OS page cache (clean pages; no root needed on Linux)."""
+    """Evict the files' pages from the OS page cache (clean pages; no root needed on Linux).
+    Dirty pages cannot be dropped: a file just written (a model converted a moment ago) is
+    flushed first."""
     for f in files:
         fd = os.open(f, os.O_RDONLY)
         try:
+            try:
+                os.fsync(fd)
+            except OSError:
+                pass
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
 
 
-class PageCacheDropper:
-    """Drops the files' pages from the page cache every ``period_s``, on a thread of its own, for
-    as long as it runs: reads that follow are cold, as if the experts were many times RAM.
+# The dropper's loop, in a process of its own: a thread of the benchmark's process needs the GIL
+# every period, so how often it ran depended on what the decoding thread was doing (a decode
+# that held the GIL kept its reads warm), and each wake-up took the GIL from the decode being
+# timed. It sleeps in select() on stdin, which the benchmark closes to stop it (or dies).
+_DROPPER = """
+import os, select, sys
+period = float(sys.argv[1])
+fds = [os.open(f, os.O_RDONLY) for f in sys.argv[2:]]
+drops = 0
+while not select.select([sys.stdin], [], [], period)[0]:
+    for fd in fds:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    drops += 1
+print(drops, flush=True)
+"""
 
-    Nothing is excluded from the timed region: the drops run beside the decode (fadvise releases
-    the GIL), on a core of their own. Mapped pages cannot be dropped this way (mmap runs are cold
-    only at their start)."""
+
+class PageCacheDropper:
+    """Drops the files' pages from the page cache every ``period_s``, in a process of its own,
+    for as long as it runs: reads that follow are cold, as if the experts were many times RAM.
+
+    Nothing is excluded from the timed region: the drops run beside the decode, on a core of
+    their own, sharing nothing with it but the kernel's page cache. Mapped pages cannot be
+    dropped this way (mmap runs are cold only at their start). ``drops``: how many rounds of
+    drops it made, known once it has stopped."""
 
     def __init__(self, files: Sequence[Path], period_s: float = 1e-3):
         self.files, self.period_s = list(files), period_s
         self.drops = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="moeflux-bench-dropper", daemon=True)
-
-    def _run(self) -> None:
-        fds = [os.open(f, os.O_RDONLY) for f in self.files]
-        try:
-            while not self._stop.wait(self.period_s):
-                for fd in fds:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                self.drops += 1
-        finally:
-            for fd in fds:
-                os.close(fd)
+        self._proc: Optional[subprocess.Popen] = None
 
     def __enter__(self):
         drop_page_cache(self.files)
-        self._thread.start()
+        self._proc = subprocess.Popen([sys.executable, "-c", _DROPPER, str(self.period_s),
+                                       *map(str, self.files)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         return self
 
     def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
+        proc, self._proc = self._proc, None
+        out, _ = proc.communicate(timeout=10)  # closes its stdin: the signal to stop
+        if proc.returncode:
+            raise RuntimeError(f"the page-cache dropper failed (exit code {proc.returncode})")
+        self.drops = int(out.split()[-1])
 
 
 def read_bandwidth(path: Path, reads: int = 256, threads: int = 8, seed: int = 0):
@@ -494,7 +512,7 @@ def write_results(result: dict, out_dir: Path, stem: str) -> List[Path]:
           f"Random expert-sized reads of the expert files (8 threads): cold "
           f"{result['cold_read_gb_s']:.2f} GB/s, from the page cache "
           f"{result.get('page_cache_read_gb_s', float('nan')):.2f} GB/s. The I/O bound uses the cold figure.",
-          "Budgets below 100% run cold: during pread runs a thread keeps dropping the expert files "
+          "Budgets below 100% run cold: during pread runs a separate process keeps dropping the expert files "
           "from the page cache (as if the experts were many times RAM); mmap runs are cold only at "
           "their start (mapped pages cannot be dropped).", "",
           format_table(result), ""]

@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from moeflux_mlx import bench
 
 
@@ -52,15 +54,44 @@ def test_skipped_experts_read_nothing_and_keep_shapes(tiny_checkpoints):
     assert y.shape == (1, 3, 4, 16) and mx.array_equal(y[:, :, 2], x)
 
 
+def _resident_fraction(path) -> float:
+    """Share of ``path``'s pages in the page cache: mincore on a copy-on-write map of it (mapping
+    touches no page; copy-on-write only so that ctypes can take its address)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = path.stat().st_size
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:
+        first = ctypes.c_char.from_buffer(m)
+        rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(first)), ctypes.c_size_t(size), vec)
+        del first  # the map cannot close while ctypes holds it
+    if rc != 0:
+        pytest.skip(f"mincore failed: errno {ctypes.get_errno()}")
+    return sum(v & 1 for v in vec) / pages
+
+
 def test_page_cache_dropper_drops_while_it_runs(tiny_checkpoints):
+    import sys
+    import time
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("page-cache residency is checked with Linux's mincore")
     _, packed = tiny_checkpoints["qwen3_moe"]
     files = bench.expert_files(packed)
+    for f in files:  # every page cached, as after a warm read
+        f.read_bytes()
+    assert min(_resident_fraction(f) for f in files) > 0.9
     with bench.PageCacheDropper(files, period_s=1e-3) as dropper:
-        import time
-        deadline = time.monotonic() + 5
-        while dropper.drops < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-    assert dropper.drops >= 3 and not dropper._thread.is_alive()
+        proc = dropper._proc
+        for f in files:  # read again while it runs: dropped again within milliseconds
+            f.read_bytes()
+        time.sleep(0.3)
+        assert proc.poll() is None  # drops in a process of its own until told to stop
+        assert max(_resident_fraction(f) for f in files) < 0.1
+    assert dropper.drops >= 3 and proc.poll() == 0  # stopped, and said how often it dropped
 
 
 def test_cli_builds_the_model_it_is_told(tmp_path):
