@@ -1,8 +1,9 @@
 #!/bin/bash
 # The GPU tests of the device-side table (GPU_TESTS=... adds more test files), the decode
 # benchmark, the 25% budget with and without prefetch (PREFETCH=0 skips), and the store's cold reads
-# with and without readahead (DISK=0 skips), and the host probe's A/B of the miss server's poll
-# cap (POLL=0 skips). A device call runs
+# with and without readahead (DISK=0 skips), the host probe's A/B of the miss server's poll
+# cap (POLL=0 skips), and where a cold token's time goes in mlx-lm's pipelined loop (OVERLAP=0
+# skips; it reads the converted model the main benchmark made). A device call runs
 # at most 10 minutes: TESTS=0 / MAIN=0 split the work over calls. Usage on the GPU machine, after
 # MLX is staged (../shared/docs/GPU.md):
 #   bash benchmarks/gpu_session.sh [LAYERS] [ROUNDS] [DECODE_TOKENS]
@@ -38,6 +39,12 @@ if [ "${MAIN:-1}" = 1 ]; then
 timeout "${BENCH_TIMEOUT:-420}" "${BENCH[@]}" --budgets 1,0.99,0.25 --repeats "$ROUNDS" \
   --out "$OUT" > "$OUT/bench_log.txt" 2>&1
 grep -v "^expert \|building\|it/s\]\|transformers" "$OUT/bench_log.txt" | tail -16
+fi
+if [ "${OVERLAP:-1}" = 1 ] && [ -d "/tmp/bench-models/qwen3_moe-full-${LAYERS}l-packed" ]; then
+  MODEL=/tmp/bench-models/qwen3_moe-full-${LAYERS}l
+  timeout 300 python3 benchmarks/overlap_probe.py "$MODEL-packed" --stock "$MODEL" --budgets 0.25 \
+    --rounds "$ROUNDS" > "$OUT/overlap_probe.txt" 2>&1
+  echo "overlap probe:"; grep "^|" "$OUT/overlap_probe.txt"
 fi
 if [ "${PREFETCH:-1}" = 1 ]; then  # prefetch on the table path (hint_cuda.cuh), 25% cold
   timeout 300 "${BENCH[@]}" --budgets 0.25 --no-stock --prefetch both \
