@@ -3,13 +3,16 @@
 mlx-lm's loop runs one token ahead: it builds token t+1's graph, encodes it (``mx.async_eval``),
 then waits for token t (``.item()``). With the device-side table, a miss stalls only the GPU, so
 the host's build and encode of t+1 should hide under token t's wait, and a cold token should take
-about max(host time, GPU time). The decode benchmark shows GPU wait + host time instead. This
-probe runs that loop by hand and times its three parts per token:
+about max(host time, GPU time). This probe runs that loop by hand and times its three parts per
+token:
 
 - encode long while the GPU waits: the host is blocked inside MLX's encoding (throttle, launch
   queue, a lock shared with the stalled stream);
 - wait long and build + encode short: the host runs ahead as intended, and the per-token time
   is the GPU's own (waits, copies, kernels).
+
+On an H100 (2026-11-25-h100-notes.md) it was the second: a cold token is the GPU's waits plus
+its own work, one after the other.
 
     python benchmarks/overlap_probe.py MODEL [--budgets 0.25,0.05] [--tokens 64] [--rounds 3]
 
@@ -84,11 +87,11 @@ def main():
     # page cache (fadvise cannot drop mapped pages), and the cold model's reads would hit them
     models["moeflux, every expert resident"] = (
         moeflux_mlx.load(args.model, expert_io="pread", cache_budget="all")[0], False)
-    total = expert_layout(args.model).total_expert_bytes  # the budget in bytes, as bench gives it
+    expert_bytes = expert_layout(args.model).total_expert_bytes  # budgets in bytes, as bench's
     for frac in (float(b) for b in args.budgets.split(",")):
         models[f"moeflux, {frac:.0%} cold"] = (
-            moeflux_mlx.load(args.model, expert_io="pread", cache_budget=int(frac * total))[0],
-            True)
+            moeflux_mlx.load(args.model, expert_io="pread",
+                             cache_budget=int(frac * expert_bytes))[0], True)
     files = expert_files(args.model)
     rows = {k: [] for k in models}
     gpu_wait = {k: [] for k in models}  # the GPU's waits for the miss server, ms per token
@@ -104,12 +107,12 @@ def main():
                     rows[name].append(pipelined_split(m, prompt, args.tokens, reset))
             else:
                 rows[name].append(pipelined_split(m, prompt, args.tokens, reset))
-            if reset is not None:  # decode tokens since the prefill: tokens + 2 steps
-                total = moeflux_mlx.stats(m)["total"]
-                n = args.tokens + 2
-                gpu_wait[name].append(1e3 * total["gpu_wait_s"] / n)
-                missed[name].append(total["experts_missed"] / n)
-                reading[name].append(1e3 * total["io_s"] / n)
+            if reset is not None:  # decode steps since the prefill: one, then one per token
+                counted = moeflux_mlx.stats(m)["total"]
+                n = args.tokens + 1
+                gpu_wait[name].append(1e3 * counted["gpu_wait_s"] / n)
+                missed[name].append(counted["experts_missed"] / n)
+                reading[name].append(1e3 * counted["io_s"] / n)
     print(f"{args.model.name}, {mx.default_device()}, MLX {mx.__version__}; pipelined one token "
           f"ahead as mlx-lm does; ms per token, means over {args.tokens} tokens, medians over "
           f"{args.rounds} rounds")
