@@ -22,6 +22,7 @@ benchmark's cold rows do; stock mlx-lm and every expert resident are the referen
 """
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -102,10 +103,7 @@ def main():
     for _ in range(args.rounds):
         for name, (m, cold) in models.items():
             reset = (lambda m=m: moeflux_mlx.reset_stats(m)) if hasattr(m, "moeflux") else None
-            if cold:
-                with PageCacheDropper(files):
-                    rows[name].append(pipelined_split(m, prompt, args.tokens, reset))
-            else:
+            with PageCacheDropper(files) if cold else contextlib.nullcontext():
                 rows[name].append(pipelined_split(m, prompt, args.tokens, reset))
             if reset is not None:  # decode steps since the prefill: one, then one per token
                 counted = moeflux_mlx.stats(m)["total"]

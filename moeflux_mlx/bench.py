@@ -127,7 +127,12 @@ class PageCacheDropper:
 
     def __exit__(self, *exc):
         proc, self._proc = self._proc, None
-        out, _ = proc.communicate(timeout=10)  # closes its stdin: the signal to stop
+        try:
+            out, _ = proc.communicate(timeout=10)  # closes its stdin: the signal to stop
+        except subprocess.TimeoutExpired:
+            proc.kill()  # never left behind dropping pages
+            proc.wait()
+            raise
         if proc.returncode:
             raise RuntimeError(f"the page-cache dropper failed (exit code {proc.returncode})")
         self.drops = int(out.split()[-1])
