@@ -1,30 +1,62 @@
 """moeflux-mlx: streaming-experts Mixture-of-Experts inference for MLX.
 
-Data path: files (``convert``) -> store (``store``) -> cache (``cache``) -> kernels
-(``backends``, ``kernels``) -> module (``module``), assembled by ``load`` / ``patch_model``.
+Data path, one package per step: ``format`` (expert files on disk) -> ``io`` (reading them) ->
+``cache`` (slots in MLX memory) -> ``compute`` (the expert computation) -> ``model`` (the drop-in
+for mlx-lm's ``SwitchGLU``, ``load``, ``patch_model``); ``cuda`` is the optional device-side
+table behind the cache interface; ``commands`` are the ``moeflux-mlx`` CLI; ``options`` carries
+every load option. See docs/architecture.md.
 
-The names of ``loader`` are imported on first use, so that a part that needs no MLX (the miss
-server process, ``miss_server.py``) can import the package without loading MLX.
+The names of ``model.load`` are imported on first use, so that a part that needs no MLX (the
+miss server process, ``cuda.miss_server``) can import the package without loading MLX.
 """
 
 import importlib
 
-from .convert import convert, verify_conversion
-from .errors import (CheckpointError, ConvertError, DeviceWaitError, ExpertFileError, ExpertIndexError,
-                     ExpertReadError, LayoutError, ModelClosedError, MoefluxError,
-                     SafetensorsHeaderError, UnsupportedQuantizationError)
+from .errors import (
+    CheckpointError,
+    ConvertError,
+    DeviceSetupError,
+    DeviceWaitError,
+    ExpertFileError,
+    ExpertIndexError,
+    ExpertReadError,
+    LayoutError,
+    ModelClosedError,
+    MoefluxError,
+    SafetensorsHeaderError,
+    UnsupportedQuantizationError,
+)
+from .format.convert import convert, verify_conversion
+from .io.store import select_expert_io
+from .options import LoadOptions
 
 __version__ = "0.1.0"
 
-from .store import select_expert_io
-
-_LAZY = {name: "loader" for name in ("StreamingRuntime", "load", "patch_model", "reset_stats", "stats")}
+_LAZY = {name: "model.load" for name in ("load", "patch_model", "reset_stats", "stats")}
+_LAZY["StreamingRuntime"] = "model.runtime"
 
 __all__ = [
-    "load", "patch_model", "stats", "reset_stats", "convert", "verify_conversion", "select_expert_io",
-    "StreamingRuntime", "MoefluxError", "CheckpointError", "ConvertError", "SafetensorsHeaderError",
-    "UnsupportedQuantizationError", "LayoutError", "ExpertFileError", "ExpertReadError",
-    "ExpertIndexError", "ModelClosedError", "DeviceWaitError",
+    "load",
+    "patch_model",
+    "stats",
+    "reset_stats",
+    "convert",
+    "verify_conversion",
+    "select_expert_io",
+    "LoadOptions",
+    "StreamingRuntime",
+    "MoefluxError",
+    "CheckpointError",
+    "ConvertError",
+    "SafetensorsHeaderError",
+    "UnsupportedQuantizationError",
+    "LayoutError",
+    "ExpertFileError",
+    "ExpertReadError",
+    "ExpertIndexError",
+    "ModelClosedError",
+    "DeviceWaitError",
+    "DeviceSetupError",
 ]
 
 

@@ -12,6 +12,7 @@
     ├── ExpertIndexError (IndexError)       the router asked for an expert the layer does not have
     ├── ModelClosedError (RuntimeError)     the model was closed
     ├── DeviceWaitError (RuntimeError)      the GPU gave up waiting for the miss server, or it died
+    ├── DeviceSetupError (RuntimeError)     CUDA's runtime refused pinned, mapped memory
     └── ConvertError                        convert could not finish (DST exists, write failed, verify)
 """
 
@@ -60,6 +61,11 @@ class DeviceWaitError(MoefluxError, RuntimeError):
     """With the device-side slot table (CUDA), the GPU waited longer than its timeout for the
     miss server process that reads missed experts, was handed an expert index out of range, or
     the miss server died. The model's state is no longer trusted: load it again."""
+
+
+class DeviceSetupError(MoefluxError, RuntimeError):
+    """CUDA's runtime refused to page-lock or map shared memory for the GPU (the device-side
+    table's control block and staging)."""
 
 
 class ConvertError(MoefluxError):

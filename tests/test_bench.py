@@ -5,14 +5,21 @@ from pathlib import Path
 
 import pytest
 
-from moeflux_mlx import bench
+from moeflux_mlx.benchmark import decode, pagecache, report
+from moeflux_mlx.commands import bench as bench_cmd
 
 
 def test_benchmark_runs_and_writes_results(tiny_checkpoints, tmp_path):
     src, packed = tiny_checkpoints["qwen3_moe"]
-    result = bench.run_benchmark(packed, stock_path=src, budgets=(1.0, 0.99, 0.25),
-                                 io_modes=("pread",), prefetch=(False, True), prompt_tokens=16,
-                                 decode_tokens=8)
+    result = decode.run_benchmark(
+        packed,
+        stock_path=src,
+        budgets=(1.0, 0.99, 0.25),
+        io_modes=("pread",),
+        prefetch=(False, True),
+        prompt_tokens=16,
+        decode_tokens=8,
+    )
     names = [(r["name"], r["budget"]) for r in result["runs"]]
     assert names[0] == ("stock mlx-lm", "-")
     assert ("moeflux ops", "100%") in names and ("moeflux ops +prefetch", "25%") in names
@@ -25,22 +32,33 @@ def test_benchmark_runs_and_writes_results(tiny_checkpoints, tmp_path):
     ahead = by[("moeflux ops +prefetch", "25%")]
     assert ahead["prefetch_issued_per_token"] > 0 and cold["prefetch_issued_per_token"] == 0
     assert result["sync_overhead_ms_per_layer"] is not None
-    files = bench.write_results(result, tmp_path, "t")
+    files = report.write_results(result, tmp_path, "t")
     assert json.loads(files[0].read_text())["runs"] == result["runs"]
     md = files[1].read_text()
-    assert "| config | io | cache |" in md and "read ahead/tok" in md and "identical to stock mlx-lm: 5/5" in md
+    assert (
+        "| config | io | cache |" in md
+        and "read ahead/tok" in md
+        and "identical to stock mlx-lm: 5/5" in md
+    )
 
 
 def test_paired_resident_rounds(tiny_checkpoints):
     src, packed = tiny_checkpoints["qwen3_moe"]
-    result = bench.run_benchmark(packed, stock_path=src, budgets=(1.0,), io_modes=("mmap",),
-                                 prompt_tokens=8, decode_tokens=4, repeats=2)
+    result = decode.run_benchmark(
+        packed,
+        stock_path=src,
+        budgets=(1.0,),
+        io_modes=("mmap",),
+        prompt_tokens=8,
+        decode_tokens=4,
+        repeats=2,
+    )
     paired = result["paired_resident"]
     assert paired["rounds"] == 2 and len(paired["stock_tps"]) == 2
-    assert set(paired["moeflux"]) == {"moeflux ops", bench.CEILING}  # on the CPU: ops only
+    assert set(paired["moeflux"]) == {"moeflux ops", report.CEILING}  # on the CPU: ops only
     for r in paired["moeflux"].values():
         assert len(r["tps"]) == 2 and r["median_ratio"] > 0
-    lines = bench.summary_lines(result)
+    lines = report.summary_lines(result)
     assert any("decoding in turn, 2 rounds" in line for line in lines)
     assert any(line.startswith("Ceiling: ") for line in lines)
 
@@ -50,7 +68,7 @@ def test_skipped_experts_read_nothing_and_keep_shapes(tiny_checkpoints):
     import mlx.core as mx
 
     x = mx.ones((1, 3, 16))
-    y = bench.SkippedExperts()(x, mx.zeros((1, 3, 4), mx.uint32), pool=None, activation=None)
+    y = decode.SkippedExperts()(x, mx.zeros((1, 3, 4), mx.uint32), pool=None, activation=None)
     assert y.shape == (1, 3, 4, 16) and mx.array_equal(y[:, :, 2], x)
 
 
@@ -80,11 +98,11 @@ def test_page_cache_dropper_drops_while_it_runs(tiny_checkpoints):
     if not sys.platform.startswith("linux"):
         pytest.skip("page-cache residency is checked with Linux's mincore")
     _, packed = tiny_checkpoints["qwen3_moe"]
-    files = bench.expert_files(packed)
+    files = pagecache.expert_files(packed)
     for f in files:  # every page cached, as after a warm read
         f.read_bytes()
     assert min(_resident_fraction(f) for f in files) > 0.9
-    with bench.PageCacheDropper(files, period_s=1e-3) as dropper:
+    with pagecache.PageCacheDropper(files, period_s=1e-3) as dropper:
         proc = dropper._proc
         for f in files:  # read again while it runs: dropped again within milliseconds
             f.read_bytes()
@@ -100,30 +118,74 @@ def test_cli_builds_the_model_it_is_told(tmp_path):
     import argparse
 
     parser = argparse.ArgumentParser()
-    bench.add_args(parser)
-    args = parser.parse_args(["--size", "tiny", "--set", "num_experts=6", "--layers", "2",
-                              "--build-dir", str(tmp_path / "m"), "--budgets", "1", "--io", "mmap",
-                              "--prefetch", "off", "--prompt-tokens", "4", "--decode-tokens", "2",
-                              "--no-stock", "--out", str(tmp_path / "r"), "--machine", "t"])
-    assert bench.run_cli(args) == 0
+    bench_cmd.add_args(parser)
+    args = parser.parse_args(
+        [
+            "--size",
+            "tiny",
+            "--set",
+            "num_experts=6",
+            "--layers",
+            "2",
+            "--build-dir",
+            str(tmp_path / "m"),
+            "--budgets",
+            "1",
+            "--io",
+            "mmap",
+            "--prefetch",
+            "off",
+            "--prompt-tokens",
+            "4",
+            "--decode-tokens",
+            "2",
+            "--no-stock",
+            "--out",
+            str(tmp_path / "r"),
+            "--machine",
+            "t",
+        ]
+    )
+    assert bench_cmd.run(args) == 0
     built = tmp_path / "m" / "qwen3_moe-tiny-num_experts6-2l"
     config = json.loads((built / "config.json").read_text())
     assert config["num_experts"] == 6 and config["num_hidden_layers"] == 2
     assert list((tmp_path / "r").glob("*-t-decode.json"))
     with __import__("pytest").raises(SystemExit, match="KEY=VALUE"):
-        bench.parse_config_setting("num_experts")
+        bench_cmd.parse_config_setting("num_experts")
 
 
 def test_cli_convert_streams_from_the_packed_copy_and_runs_stock_from_the_original(tmp_path):
     import argparse
 
     parser = argparse.ArgumentParser()
-    bench.add_args(parser)
-    args = parser.parse_args(["--size", "tiny", "--layers", "2", "--convert",
-                              "--build-dir", str(tmp_path / "m"), "--budgets", "1", "--io", "pread",
-                              "--prefetch", "off", "--prompt-tokens", "4", "--decode-tokens", "2",
-                              "--out", str(tmp_path / "r"), "--machine", "t"])
-    assert bench.run_cli(args) == 0
+    bench_cmd.add_args(parser)
+    args = parser.parse_args(
+        [
+            "--size",
+            "tiny",
+            "--layers",
+            "2",
+            "--convert",
+            "--build-dir",
+            str(tmp_path / "m"),
+            "--budgets",
+            "1",
+            "--io",
+            "pread",
+            "--prefetch",
+            "off",
+            "--prompt-tokens",
+            "4",
+            "--decode-tokens",
+            "2",
+            "--out",
+            str(tmp_path / "r"),
+            "--machine",
+            "t",
+        ]
+    )
+    assert bench_cmd.run(args) == 0
     packed = tmp_path / "m" / "qwen3_moe-tiny-2l-packed"
     assert (packed / "packed_experts").is_dir()
     result = json.loads(next((tmp_path / "r").glob("*-t-decode.json")).read_text())

@@ -1,4 +1,4 @@
-"""Issue 7: the expert cache and prefetch keep output exact and do what their counters say."""
+"""The expert cache and prefetch keep output exact and do what their counters say."""
 
 import mlx.core as mx
 import mlx_lm
@@ -6,9 +6,11 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import moeflux_mlx
-from moeflux_mlx.checkpoint import expert_layout
-from moeflux_mlx.cache import ExpertCache, StagingCache, parse_budget
+from moeflux_mlx.cache.budget import BudgetCache
+from moeflux_mlx.cache.staging import StagingCache
 from moeflux_mlx.errors import ExpertReadError
+from moeflux_mlx.format.checkpoint import expert_layout
+from moeflux_mlx.options import parse_budget
 
 
 def _greedy(model, prompt, n=40):
@@ -25,7 +27,7 @@ def reference(tiny_checkpoints):
 
 
 def test_parse_budget():
-    ram = moeflux_mlx.cache.psutil.virtual_memory().total
+    ram = moeflux_mlx.options.psutil.virtual_memory().total
     assert parse_budget("all", 123) == 123
     assert parse_budget("2GiB", 1) == parse_budget("2GB", 1) == 2 * 2**30
     assert parse_budget("512MiB", 1) == 512 * 2**20
@@ -43,7 +45,7 @@ def test_lru_cache_hits_and_bounded_slots(reference, fraction):
     packed, prompt, want, total = reference
     model, _ = moeflux_mlx.load(packed, cache_budget=int(fraction * total))
     with model.moeflux as rt:
-        assert isinstance(rt.cache, ExpertCache)
+        assert isinstance(rt.cache, BudgetCache)
         assert rt.cache.capacity_bytes <= fraction * total
         assert _greedy(model, prompt) == want
         t = rt.stats.total()
@@ -68,18 +70,20 @@ def test_prefetch_is_exact_and_serves_misses(reference, budget):
     packed, prompt, want, total = reference
     model, _ = moeflux_mlx.load(packed, cache_budget=int(budget * total), prefetch=True)
     with model.moeflux as rt:
-        assert rt.next_gate, "every MoE layer but the last has a next-layer router"
+        assert rt.cache.predictor.gates, "every MoE layer but the last has a next-layer router"
         assert _greedy(model, prompt) == want
         t = rt.stats.total()
         assert t.prefetch_issued > 0
         assert 0 < t.prefetch_hits <= min(t.prefetch_issued, t.experts_missed)
 
 
-def test_failed_prefetch_is_read_again_and_a_lasting_fault_reaches_the_caller(reference, monkeypatch):
+def test_failed_prefetch_is_read_again_and_a_lasting_fault_reaches_the_caller(
+    reference, monkeypatch
+):
     packed, prompt, want, _ = reference
     model, _ = moeflux_mlx.load(packed, cache_budget=0, prefetch=True, expert_io="pread")
-    import moeflux_mlx.prefetch as pf
-    import moeflux_mlx.store as store
+    import moeflux_mlx.format.readers as readers
+    import moeflux_mlx.io.prefetch as pf
 
     def broken(src, e, buf):
         raise ExpertReadError(f"layer {src.layer}: injected failure reading expert {e}")
@@ -89,15 +93,15 @@ def test_failed_prefetch_is_read_again_and_a_lasting_fault_reaches_the_caller(re
         assert _greedy(model, prompt) == want
         t = rt.stats.total()
         assert t.prefetch_failed > 0 and t.prefetch_hits == 0
-        real = store.read_exact
+        real = readers.read_exact
 
         def eio(fd, start, into, what):
             raise ExpertReadError(f"{what}: injected lasting fault")
 
-        monkeypatch.setattr(store, "read_exact", eio)  # every read fails: the caller hears it
+        monkeypatch.setattr(readers, "read_exact", eio)  # every read fails: the caller hears it
         with pytest.raises(ExpertReadError, match="injected lasting fault"):
             _greedy(model, prompt, 8)
-        monkeypatch.setattr(store, "read_exact", real)
+        monkeypatch.setattr(readers, "read_exact", real)
         monkeypatch.undo()
         assert _greedy(model, prompt) == want
 
@@ -107,7 +111,9 @@ def test_device_slot_writes_are_exact(reference, monkeypatch, budget):
     """The CUDA write path (host staging + scatter into the pool), exercised on this backend."""
     packed, prompt, want, total = reference
     monkeypatch.setenv("MOEFLUX_SLOT_WRITES", "device")
-    model, _ = moeflux_mlx.load(packed, cache_budget=budget if budget == "all" else int(budget * total))
+    model, _ = moeflux_mlx.load(
+        packed, cache_budget=budget if budget == "all" else int(budget * total)
+    )
     with model.moeflux as rt:
         assert _greedy(model, prompt) == want
         pools = getattr(rt.cache, "pools", {})
@@ -120,14 +126,16 @@ def test_device_slot_writes_are_exact(reference, monkeypatch, budget):
 def test_buffers_do_not_grow_per_layer_after_a_prefill(reference, monkeypatch, writes):
     """A prefill routes most experts of every layer; what stays allocated afterwards must not be
     per layer (with experts many times RAM that would be every expert again)."""
-    import moeflux_mlx.cache as cache
-    import moeflux_mlx.store as store
+    import moeflux_mlx.cache.pool as pool
+    import moeflux_mlx.cache.staging as staging
+    import moeflux_mlx.io.store as store
 
     packed, prompt, want, _ = reference
     monkeypatch.setenv("MOEFLUX_SLOT_WRITES", writes)
     blob = next(iter(expert_layout(packed).layers.values())).blob_size
     keep = 6 * blob  # more than one decode token's experts, fewer than a prefill's
-    monkeypatch.setattr(cache, "STAGING_KEEP_BYTES", keep)
+    monkeypatch.setattr(pool, "STAGING_KEEP_BYTES", keep)
+    monkeypatch.setattr(staging, "STAGING_KEEP_BYTES", keep)
     monkeypatch.setattr(store, "STAGING_KEEP_BYTES", keep)
     long_prompt = mx.concatenate([prompt] * 6)
     model, _ = moeflux_mlx.load(packed, cache_budget=0, expert_io="pread")

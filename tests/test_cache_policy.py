@@ -22,8 +22,10 @@ def test_hand_trace():
 
 def test_optimum_bounds_every_policy_and_sets_stay_resident():
     rng = random.Random(1)
-    trace = [rng.sample(range(32), 4) if rng.random() < 0.5 else rng.sample(range(8), 4)
-             for _ in range(300)]
+    trace = [
+        rng.sample(range(32), 4) if rng.random() < 0.5 else rng.sample(range(8), 4)
+        for _ in range(300)
+    ]
     routed = sum(len(s) for s in trace)
     for slots in (4, 8, 16):
         hits = {p: cp.simulate(trace, slots, p) for p in cp.POLICIES}

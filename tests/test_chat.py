@@ -1,4 +1,4 @@
-"""Issue 5: the chat loop, driven as a person would (pseudo-terminal), and its prompt cache."""
+"""The chat loop, driven as a person would (pseudo-terminal), and its prompt cache."""
 
 import contextlib
 import os
@@ -12,17 +12,21 @@ import pexpect
 import pytest
 
 import moeflux_mlx
-from moeflux_mlx import synth
-from moeflux_mlx.chat import ChatSession
+from moeflux_mlx.commands.chat import ChatSession
+from moeflux_mlx.testing import synth
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "chat.py"
 TIMEOUT = 90
-STATS = re.compile(r"\[prompt: (\d+) tokens \((\d+) cached\), [\d.]+ tok/s \| "
-                   r"reply: (\d+) tokens, [\d.]+ tok/s \| peak memory [\d.]+ \w?B \| "
-                   r"experts: [\d.]+ \w?B read, hit rate (?:[\d.]+%|n/a) \((mmap|pread)\)\]")
-PROMPT_LOG = re.compile(r"prompt: (\d+) tokens, (\d+) of them reused from the prompt cache, "
-                        r"(\d+) new")
+STATS = re.compile(
+    r"\[prompt: (\d+) tokens \((\d+) cached\), [\d.]+ tok/s \| "
+    r"reply: (\d+) tokens, [\d.]+ tok/s \| peak memory [\d.]+ \w?B \| "
+    r"experts: [\d.]+ \w?B read, hit rate (?:[\d.]+%|n/a) \((mmap|pread)\)\]"
+)
+PROMPT_LOG = re.compile(
+    r"prompt: (\d+) tokens, (\d+) of them reused from the prompt cache, "
+    r"(\d+) new"
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +52,14 @@ def _turn(child, message):
 
 
 def test_chat_in_a_terminal(tiny):
-    child = pexpect.spawn(sys.executable, [str(EXAMPLE), "--model", str(tiny), "-m", "16",
-                                           "--verbose"],
-                          env=_env(), cwd=str(REPO), encoding="utf-8", timeout=TIMEOUT)
+    child = pexpect.spawn(
+        sys.executable,
+        [str(EXAMPLE), "--model", str(tiny), "-m", "16", "--verbose"],
+        env=_env(),
+        cwd=str(REPO),
+        encoding="utf-8",
+        timeout=TIMEOUT,
+    )
     try:
         child.expect_exact(">> ")
         reply1, (total1, reused1, new1), stats1 = _turn(child, "Hello, who are you?")
@@ -82,8 +91,14 @@ def test_chat_in_a_terminal(tiny):
 
 @pytest.mark.parametrize("quit_with", ["q", "eof"])
 def test_chat_quits(tiny, quit_with):
-    child = pexpect.spawn(sys.executable, [str(EXAMPLE), "--model", str(tiny)], env=_env(),
-                          cwd=str(REPO), encoding="utf-8", timeout=TIMEOUT)
+    child = pexpect.spawn(
+        sys.executable,
+        [str(EXAMPLE), "--model", str(tiny)],
+        env=_env(),
+        cwd=str(REPO),
+        encoding="utf-8",
+        timeout=TIMEOUT,
+    )
     try:
         child.expect_exact(">> ")
         if quit_with == "eof":
@@ -97,10 +112,30 @@ def test_chat_quits(tiny, quit_with):
 
 
 def test_one_shot_prompt(tiny):
-    r = subprocess.run([sys.executable, str(EXAMPLE), "--model", str(tiny), "--prompt", "Hi there",
-                        "--max-tokens", "8", "--temp", "0.7", "--top-p", "0.9", "--seed", "3",
-                        "--expert-io", "pread"],
-                       capture_output=True, text=True, env=_env(), timeout=TIMEOUT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLE),
+            "--model",
+            str(tiny),
+            "--prompt",
+            "Hi there",
+            "--max-tokens",
+            "8",
+            "--temp",
+            "0.7",
+            "--top-p",
+            "0.9",
+            "--seed",
+            "3",
+            "--expert-io",
+            "pread",
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=TIMEOUT,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()
     m = STATS.search(r.stderr)
@@ -111,8 +146,13 @@ def test_one_shot_prompt(tiny):
 
 def test_no_model_uses_the_demo(tmp_path):
     env = dict(_env(), XDG_CACHE_HOME=str(tmp_path))
-    r = subprocess.run([sys.executable, str(EXAMPLE), "--prompt", "Hi", "-m", "4"],
-                       capture_output=True, text=True, env=env, timeout=TIMEOUT)
+    r = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--prompt", "Hi", "-m", "4"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=TIMEOUT,
+    )
     assert r.returncode == 0, r.stderr
     assert "using the demo checkpoint" in r.stderr
     assert str(tmp_path / "moeflux-mlx" / "demo-") in r.stderr
@@ -120,8 +160,13 @@ def test_no_model_uses_the_demo(tmp_path):
 
 
 def test_bad_model_is_one_line(tmp_path):
-    r = subprocess.run([sys.executable, str(EXAMPLE), "--model", str(tmp_path), "--prompt", "Hi"],
-                       capture_output=True, text=True, env=_env(), timeout=TIMEOUT)
+    r = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--model", str(tmp_path), "--prompt", "Hi"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=TIMEOUT,
+    )
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("moeflux-mlx: error: ")
@@ -149,7 +194,7 @@ def test_session_cache_holds_exactly_the_conversation(arch, tmp_path):
         s = ChatSession(model, tokenizer, system_prompt="Be brief.")
         generated = _say(s, "Hello")
         assert s.reused_tokens == 0
-        assert s.cached[-len(generated):] == generated
+        assert s.cached[-len(generated) :] == generated
         assert _cache_len(s) == len(s.cached)
         first = len(s.cached)
 
@@ -194,8 +239,9 @@ def test_session_reuses_a_reply_that_re_renders_identically(tmp_path):
 
         _say(s, "Tell me about the sea.")
         assert s.reused_tokens == held
-        suffix = tokenizer.encode("\n<|im_start|>user\nTell me about the sea.<|im_end|>\n"
-                                  "<|im_start|>assistant\n")
+        suffix = tokenizer.encode(
+            "\n<|im_start|>user\nTell me about the sea.<|im_end|>\n<|im_start|>assistant\n"
+        )
         assert s.new_tokens == len(suffix)
         assert _cache_len(s) == len(s.cached)
     finally:

@@ -1,4 +1,4 @@
-"""Issue 5: the ``moeflux-mlx`` commands, run as ``main(argv)`` (and once as a subprocess)."""
+"""The ``moeflux-mlx`` commands, run as ``main(argv)`` (and once as a subprocess)."""
 
 import logging
 import os
@@ -10,13 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from moeflux_mlx import cli, compare, synth
-from moeflux_mlx.checkpoint import PACKED_DIR
-from moeflux_mlx.convert import convert
+from moeflux_mlx import cli
+from moeflux_mlx.commands import common, compare
+from moeflux_mlx.format.checkpoint import PACKED_DIR
+from moeflux_mlx.format.convert import convert
+from moeflux_mlx.testing import synth
 
 REPO = Path(__file__).resolve().parents[1]
-STATS = re.compile(r"\[prompt: (\d+) tokens.*\| reply: (\d+) tokens, [\d.]+ tok/s \| peak memory "
-                   r".* \| experts: .* read, hit rate ([\d.]+%|n/a)")
+STATS = re.compile(
+    r"\[prompt: (\d+) tokens.*\| reply: (\d+) tokens, [\d.]+ tok/s \| peak memory "
+    r".* \| experts: .* read, hit rate ([\d.]+%|n/a)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +32,9 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def packed(ckpts, tmp_path_factory):
-    return convert(ckpts["qwen3_moe"], tmp_path_factory.mktemp("cli-packed") / "qwen3_moe",
-                   progress=False)
+    return convert(
+        ckpts["qwen3_moe"], tmp_path_factory.mktemp("cli-packed") / "qwen3_moe", progress=False
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +46,7 @@ def _keep_log_level():
 
 
 def _one_line_error(err: str) -> str:
-    lines = [l for l in err.splitlines() if l.strip()]
+    lines = [line for line in err.splitlines() if line.strip()]
     assert "Traceback" not in err
     assert lines and lines[-1].startswith("moeflux-mlx: error: ")
     return lines[-1]
@@ -119,8 +124,9 @@ def test_info_plain_and_converted(ckpts, packed, capsys):
     blob = int(rows["expert blob"].split()[0].replace(",", ""))
     total = int(re.search(r"\(([\d,]+) bytes\)", rows["experts, total"])[1].replace(",", ""))
     assert total == 2 * 16 * blob
-    assert re.fullmatch(r"mmap \(auto: experts .* <= 0\.75 x RAM .* GB = .* GB\)",
-                        rows["expert I/O"])
+    assert re.fullmatch(
+        r"mmap \(auto: experts .* <= 0\.75 x RAM .* GB = .* GB\)", rows["expert I/O"]
+    )
     assert rows["backend"].startswith("ops (auto, device cpu)")
     assert "total" in rows["RAM"] and "available" in rows["RAM"]
 
@@ -139,15 +145,30 @@ def test_load_options_reach_load(packed, capsys):
         cli.main(["info", str(packed), "--cache-budget", "lots"])
     assert e.value.code == 2 and "--cache-budget" in capsys.readouterr().err
 
-    args = cli.build_parser().parse_args(["chat", "--expert-io", "pread", "--threads", "3",
-                                          "--cache-budget", "1GB", "--backend", "ops"])
-    assert cli.load_kwargs(args) == {"expert_io": "pread", "threads": 3, "cache_budget": "1GB",
-                                     "backend": "ops"}
-    assert cli.load_kwargs(cli.build_parser().parse_args(["generate"])) == {}
+    args = cli.build_parser().parse_args(
+        [
+            "chat",
+            "--expert-io",
+            "pread",
+            "--threads",
+            "3",
+            "--cache-budget",
+            "1GB",
+            "--backend",
+            "ops",
+        ]
+    )
+    assert common.load_kwargs(args) == {
+        "expert_io": "pread",
+        "threads": 3,
+        "cache_budget": "1GB",
+        "backend": "ops",
+    }
+    assert common.load_kwargs(cli.build_parser().parse_args(["generate"])) == {}
     args = cli.build_parser().parse_args(["generate", "--device-table", "--prefetch"])
-    assert cli.load_kwargs(args) == {"device_table": True, "prefetch": True}
+    assert common.load_kwargs(args) == {"device_table": True, "prefetch": True}
     args = cli.build_parser().parse_args(["generate", "--no-device-table"])
-    assert cli.load_kwargs(args) == {"device_table": False}
+    assert common.load_kwargs(args) == {"device_table": False}
 
 
 def test_info_names_each_architecture(ckpts, capsys):
@@ -166,7 +187,10 @@ def test_convert_and_verify(ckpts, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "(verified byte for byte)" in out and "2 MoE layers" in out
     assert sorted(p.name for p in (dst / PACKED_DIR).iterdir()) == [
-        "layer_00.bin", "layer_01.bin", "layout.json"]
+        "layer_00.bin",
+        "layer_01.bin",
+        "layout.json",
+    ]
     # another model onto the same destination: refused in one line
     assert cli.main(["convert", str(ckpts["qwen3_moe"]), str(dst), "-q"]) == 2
     assert "already exists" in _one_line_error(capsys.readouterr().err)
@@ -182,8 +206,21 @@ def test_convert_of_a_non_checkpoint_is_one_line(tmp_path, capsys):
 
 
 def test_generate(packed, capsys):
-    rc = cli.main(["generate", "--model", str(packed), "--prompt", "hello", "-m", "10",
-                   "--expert-io", "pread", "--threads", "2"])
+    rc = cli.main(
+        [
+            "generate",
+            "--model",
+            str(packed),
+            "--prompt",
+            "hello",
+            "-m",
+            "10",
+            "--expert-io",
+            "pread",
+            "--threads",
+            "2",
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 0
     assert out.strip()
@@ -193,8 +230,19 @@ def test_generate(packed, capsys):
 
 
 def test_generate_sampling_is_seeded(packed, capsys):
-    args = ["generate", "--model", str(packed), "-p", "hi", "-m", "12", "--temp", "1.0",
-            "--top-p", "0.9"]
+    args = [
+        "generate",
+        "--model",
+        str(packed),
+        "-p",
+        "hi",
+        "-m",
+        "12",
+        "--temp",
+        "1.0",
+        "--top-p",
+        "0.9",
+    ]
     texts = []
     for seed in ("1", "1", "2"):
         assert cli.main(args + ["--seed", seed]) == 0
@@ -230,12 +278,33 @@ def test_demo_builds_once_then_reuses(tmp_path, monkeypatch, capsys):
 def test_module_entry_point_verbose_logs_ram_gate(packed):
     """``python -m moeflux_mlx.cli`` works without the console script; --verbose logs at INFO."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, "-m", "moeflux_mlx.cli", "generate", "--model", str(packed),
-                        "-p", "hi", "-m", "4", "--verbose"], capture_output=True, text=True,
-                       env=env, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moeflux_mlx.cli",
+            "generate",
+            "--model",
+            str(packed),
+            "-p",
+            "hi",
+            "-m",
+            "4",
+            "--verbose",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
-    assert re.search(r"INFO moeflux_mlx\.store: expert I/O: mmap \(", r.stderr), r.stderr
+    assert re.search(r"INFO moeflux_mlx\.io\.store: expert I/O: mmap \(", r.stderr), r.stderr
     assert STATS.search(r.stderr)
-    quiet = subprocess.run([sys.executable, "-m", "moeflux_mlx.cli", "info", str(packed)],
-                           capture_output=True, text=True, env=env, timeout=120)
+    quiet = subprocess.run(
+        [sys.executable, "-m", "moeflux_mlx.cli", "info", str(packed)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert quiet.returncode == 0 and "INFO" not in quiet.stderr

@@ -1,4 +1,4 @@
-"""Issue 2: every packed expert equals the source slices byte for byte; bounded memory; crash-safe
+"""Every packed expert equals the source slices byte for byte; bounded memory; crash-safe
 staging; clear errors."""
 
 import hashlib
@@ -13,11 +13,11 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from moeflux_mlx import synth
-from moeflux_mlx.checkpoint import EXPERT_KEY, packed_file, packed_layout, scan_checkpoint
-from moeflux_mlx.convert import ConvertError, convert, verify_conversion
 from moeflux_mlx.errors import CheckpointError
-from moeflux_mlx.layout import ModelLayout
+from moeflux_mlx.format.checkpoint import EXPERT_KEY, packed_file, packed_layout, scan_checkpoint
+from moeflux_mlx.format.convert import ConvertError, convert, verify_conversion
+from moeflux_mlx.format.layout import ModelLayout
+from moeflux_mlx.testing import synth
 
 
 def _bytes(a: mx.array) -> np.ndarray:
@@ -46,11 +46,13 @@ def test_packed_experts_equal_source_slices(tiny_checkpoints, arch):
     assert experts, "the synthetic checkpoint has stacked experts"
     checked = 0
     for layer, lay in layout.layers.items():
-        blob = np.fromfile(packed_file(dst, layer), np.uint8).reshape(lay.num_experts, lay.blob_size)
+        blob = np.fromfile(packed_file(dst, layer), np.uint8).reshape(
+            lay.num_experts, lay.blob_size
+        )
         module = layout.module_paths[layer]
         for c in lay.components:
             want = _bytes(experts.pop(f"{module}.{c.name}"))
-            assert np.array_equal(blob[:, c.offset:c.offset + c.nbytes], want), (layer, c.name)
+            assert np.array_equal(blob[:, c.offset : c.offset + c.nbytes], want), (layer, c.name)
             checked += 1
     assert not experts, f"tensors not packed: {sorted(experts)}"
     # the dense weights are carried over byte for byte
@@ -62,7 +64,7 @@ def test_packed_experts_equal_source_slices(tiny_checkpoints, arch):
 
 
 def test_layout_round_trips(tiny_checkpoints, tmp_path):
-    for src, dst in tiny_checkpoints.values():
+    for _, dst in tiny_checkpoints.values():
         layout = packed_layout(dst)
         layout.save(tmp_path / "layout.json")
         again = ModelLayout.load(tmp_path / "layout.json")
@@ -85,7 +87,9 @@ def test_source_still_loads_with_mlx_lm_and_is_untouched(tiny_checkpoints, arch,
 
 def test_quantization_variants_convert(tmp_path):
     for bits, group in ((8, 32), (2, 128), (3, 64)):
-        src = synth.build_checkpoint(tmp_path / f"q{bits}", "qwen3_moe", "tiny", bits=bits, group_size=group)
+        src = synth.build_checkpoint(
+            tmp_path / f"q{bits}", "qwen3_moe", "tiny", bits=bits, group_size=group
+        )
         dst = convert(src, tmp_path / f"q{bits}-packed", verify=True, progress=False)
         q = next(iter(packed_layout(dst).layers.values())).quantization
         assert (q.bits, q.group_size) == (bits, group)
@@ -95,7 +99,11 @@ def test_unquantized_experts_convert(tmp_path):
     src = synth.build_checkpoint(tmp_path / "bf16", "mixtral", "tiny", quantize=False)
     dst = convert(src, tmp_path / "bf16-packed", verify=True, progress=False)
     lay = next(iter(packed_layout(dst).layers.values()))
-    assert lay.quantization is None and lay.names == ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+    assert lay.quantization is None and lay.names == (
+        "gate_proj.weight",
+        "up_proj.weight",
+        "down_proj.weight",
+    )
 
 
 def test_verify_names_the_corrupt_expert(tiny_checkpoints, tmp_path):
@@ -107,7 +115,9 @@ def test_verify_names_the_corrupt_expert(tiny_checkpoints, tmp_path):
     data = bytearray(f.read_bytes())
     data[5 * lay.blob_size + lay.component("down_proj.scales").offset] ^= 0xFF
     f.write_bytes(bytes(data))
-    with pytest.raises(ConvertError, match=rf"layer_{layer:02d}.bin: expert 5 \(down_proj.scales\)"):
+    with pytest.raises(
+        ConvertError, match=rf"layer_{layer:02d}.bin: expert 5 \(down_proj.scales\)"
+    ):
         verify_conversion(src, dst, progress=False)
 
 
@@ -118,6 +128,7 @@ def test_refuses_existing_destination_and_non_moe(tiny_checkpoints, tmp_path):
     dense = tmp_path / "dense"
     cfg = synth.model_config("qwen3_moe", "tiny")
     from mlx_lm.utils import _get_classes, save_config, save_model
+
     cfg = dict(cfg, model_type="qwen3")
     for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
         cfg.pop(k, None)
@@ -131,7 +142,9 @@ def test_refuses_existing_destination_and_non_moe(tiny_checkpoints, tmp_path):
 
 def test_interrupted_conversion_resumes(tiny_checkpoints, tmp_path, monkeypatch):
     """A failure midway leaves no DST; the rerun resumes from the completed files and verifies."""
-    cv = importlib.import_module("moeflux_mlx.convert")  # the package's `convert` is the function
+    cv = importlib.import_module(
+        "moeflux_mlx.format.convert"
+    )  # the package's `convert` is the function
 
     src, _ = tiny_checkpoints["deepseek_v3"]
     real, calls = cv._write_layer, []
@@ -156,7 +169,7 @@ def test_interrupted_conversion_resumes(tiny_checkpoints, tmp_path, monkeypatch)
 # VmHWM is this address space's peak RSS (ru_maxrss would carry the forked parent's across exec)
 PEAK_SCRIPT = textwrap.dedent("""
     import sys, psutil
-    from moeflux_mlx.convert import convert
+    from moeflux_mlx.format.convert import convert
     def hwm():
         line = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
         return int(line.split()[1]) * 1024
@@ -170,8 +183,12 @@ def test_convert_peak_memory_is_bounded(tmp_path):
     src = synth.build_checkpoint(tmp_path / "medium", "qwen3_moe", "medium")
     experts = scan_checkpoint(src).layout.total_expert_bytes
     assert experts > 300e6, "the test needs experts totalling a few hundred MB"
-    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(src), str(tmp_path / "out")],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", PEAK_SCRIPT, str(src), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     base, peak = map(int, out.stdout.split())
     above = peak - base
     print(f"experts {experts / 1e6:.0f} MB, peak RSS above the interpreter {above / 1e6:.0f} MB")

@@ -21,8 +21,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-
-from moeflux_mlx import synth
+from moeflux_mlx.testing import synth
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 20261122
@@ -31,7 +30,7 @@ RANDOM_KILLS = 12
 SERVER = r"""
 import hashlib, importlib, json, os, random, shutil, signal, sys, threading, time
 from pathlib import Path
-C = importlib.import_module("moeflux_mlx.convert")
+C = importlib.import_module("moeflux_mlx.format.convert")
 import mlx_lm.utils  # convert imports it on first use: import it once here, not in every attempt
 src, work, seed, n_random = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 assert threading.active_count() == 1  # safe to fork
@@ -149,17 +148,33 @@ print(json.dumps(report))
 
 
 def test_convert_survives_sigkill(tmp_path):
-    src = synth.build_checkpoint(tmp_path / "src", "qwen3_moe", "small",
-                                 overrides={"num_hidden_layers": 8})
+    src = synth.build_checkpoint(
+        tmp_path / "src", "qwen3_moe", "small", overrides={"num_hidden_layers": 8}
+    )
     work = tmp_path / "work"
     work.mkdir()
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONDONTWRITEBYTECODE="1")
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(SERVER), str(src), str(work),
-                           str(SEED), str(RANDOM_KILLS)],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=str(ROOT))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(SERVER),
+            str(src),
+            str(work),
+            str(SEED),
+            str(RANDOM_KILLS),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=str(ROOT),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(json.dumps({k: v for k, v in report.items() if k in ("duration_s", "commits", "sources")}))
+    print(
+        json.dumps({k: v for k, v in report.items() if k in ("duration_s", "commits", "sources")})
+    )
 
     assert report["duration_s"] > 1.0, "conversion too fast for random kill points to spread"
     assert report["commits"] >= 12  # state, shard, index, 8 layers, layout, config, rename
@@ -179,8 +194,16 @@ def test_convert_survives_sigkill(tmp_path):
     assert report["source_unchanged"]
     for t in report["random"]:
         p = t["partial"] or []
-        print("kills", t["kills"], "-> DST" if t["dst_exists"] else "-> no DST",
-              f"partial: {sum(n.endswith('.bin') for n in p)} layer files, "
-              f"{sum(n.endswith('.tmp') for n in p)} .tmp" if t["partial"] is not None else "no partial")
-    print(f"{len(landed)} random kills landed (of {len(random_kills)}), "
-          f"{len(report['commit'])} commit-point kills, source files: {report['sources']}")
+        print(
+            "kills",
+            t["kills"],
+            "-> DST" if t["dst_exists"] else "-> no DST",
+            f"partial: {sum(n.endswith('.bin') for n in p)} layer files, "
+            f"{sum(n.endswith('.tmp') for n in p)} .tmp"
+            if t["partial"] is not None
+            else "no partial",
+        )
+    print(
+        f"{len(landed)} random kills landed (of {len(random_kills)}), "
+        f"{len(report['commit'])} commit-point kills, source files: {report['sources']}"
+    )

@@ -16,12 +16,16 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import moeflux_mlx
-from moeflux_mlx import control_block as cb
-from moeflux_mlx import device_table as dt
-from moeflux_mlx.checkpoint import expert_layout
+from moeflux_mlx.cache.pool import host_view
+from moeflux_mlx.cuda import control_block as cb
+from moeflux_mlx.cuda import runtime as cuda_runtime
+from moeflux_mlx.cuda import table_kernels as tk
+from moeflux_mlx.cuda.miss_client import MissServer
+from moeflux_mlx.cuda.runtime import PinnedBuffer
 from moeflux_mlx.errors import DeviceWaitError, ExpertReadError
-from moeflux_mlx.store import open_store
-from moeflux_mlx.upload import PinnedBuffer, host_view
+from moeflux_mlx.format.checkpoint import expert_layout
+from moeflux_mlx.io.store import open_store
+from moeflux_mlx.options import LoadOptions
 
 
 def _wait_answer(control, i, seq, timeout=10):
@@ -31,7 +35,7 @@ def _wait_answer(control, i, seq, timeout=10):
         time.sleep(1e-4)
 
 
-def reference_resolve(control, staging, layer, indices, raw, layout, after=None):
+def reference_resolve(control, staging, layer, indices, raw, layout, wait_s, after=None):
     """What resolve_cuda.cuh + fill_cuda.cuh do, eagerly, from the main thread."""
     t = control.layers[layer]
     i = t.index
@@ -40,7 +44,7 @@ def reference_resolve(control, staging, layer, indices, raw, layout, after=None)
     tick = calls + int(t.header[cb.H_HOST_TICKS])
     seq = 0
     if (t.slot_of[inds] < 0).any():
-        t.request[:inds.size] = inds
+        t.request[: inds.size] = inds
         t.header[cb.H_NREQ] = inds.size
         seq = int(control.answers[i]) + 1
         control.requests[i] = seq
@@ -54,16 +58,16 @@ def reference_resolve(control, staging, layer, indices, raw, layout, after=None)
         for k in range(n):
             for c in layout.components:
                 dst = host_view(raw[c.name])[t.copy_dst[k]]
-                dst[:] = 0xFF if poison else rows[t.copy_src[k], c.offset:c.offset + c.nbytes]
+                dst[:] = 0xFF if poison else rows[t.copy_src[k], c.offset : c.offset + c.nbytes]
     control.ticks[i] = calls
     return mx.array(slots.astype(np.uint32)).reshape(indices.shape)
 
 
-def reference_hint(control, staging, layer, indices, predicted):
+def reference_hint(control, staging, layer, indices, predicted, wait_s):
     """What hint_cuda.cuh does, eagerly."""
     t = control.layers[layer]
     pred = np.array(predicted).reshape(-1)
-    t.hint[:pred.size] = pred
+    t.hint[: pred.size] = pred
     t.header[cb.H_HINT_N] = pred.size
     control.hints[t.index] += 1
     return indices
@@ -73,13 +77,13 @@ def reference_hint(control, staging, layer, indices, predicted):
 def table_on_cpu(request, monkeypatch):
     """The Python reference of the kernels (anywhere), or the CUDA kernels themselves."""
     if request.param == "cuda":
-        if not dt.available():
+        if not cuda_runtime.table_available():
             pytest.skip("the device-side table needs MLX's CUDA backend and libcudart")
         monkeypatch.setenv("MOEFLUX_DEVICE_TABLE", "1")
         return
-    monkeypatch.setattr(dt, "enabled", lambda requested=None: requested is not False)
-    monkeypatch.setattr(dt, "resolve", reference_resolve)
-    monkeypatch.setattr(dt, "hint", reference_hint)
+    monkeypatch.setattr(cuda_runtime, "table_available", lambda: True)
+    monkeypatch.setattr(tk, "resolve", reference_resolve)
+    monkeypatch.setattr(tk, "hint", reference_hint)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +115,7 @@ def _pool_holds_the_right_experts(rt):
         blobs = rt.store.read(layer, experts)
         for c in pool.layout.components:
             got = np.array(pool.raw[c.name])[slots]
-            assert (got == blobs[:, c.offset:c.offset + c.nbytes]).all(), (layer, c.name)
+            assert (got == blobs[:, c.offset : c.offset + c.nbytes]).all(), (layer, c.name)
         checked += experts.size
     return checked
 
@@ -119,16 +123,19 @@ def _pool_holds_the_right_experts(rt):
 @pytest.mark.parametrize("fraction", [0.3, 0.6])
 def test_decode_through_the_table_is_exact(table_on_cpu, reference, fraction):
     packed, prompt, want, total = reference
-    model, _ = moeflux_mlx.load(packed, cache_budget=int(fraction * total), expert_io="pread",
-                                backend="ops")  # the ops path is bit-exact with stock
+    model, _ = moeflux_mlx.load(
+        packed, cache_budget=int(fraction * total), expert_io="pread", backend="ops"
+    )  # the ops path is bit-exact with stock
     with model.moeflux as rt:
-        assert rt.cache.control is not None and rt.stats_dict()["device_table"]
+        assert rt.cache.name == "table" and rt.stats_dict()["device_table"]
         assert _greedy(model, prompt) == want
         rt.stats_dict()  # folds in what the miss server read and the GPU's waits
         t = rt.stats.total()
-        assert t.unsynced_calls > 0 and t.calls > t.unsynced_calls  # decode via the table, prefill synced
+        assert (
+            t.unsynced_calls > 0 and t.calls > t.unsynced_calls
+        )  # decode via the table, prefill synced
         assert 0 < t.experts_missed < t.experts_routed
-        if dt.resolve is not reference_resolve:  # the CUDA kernel counts its waits
+        if tk.resolve is not reference_resolve:  # the CUDA kernel counts its waits
             assert 0 < t.gpu_waits <= t.unsynced_calls and t.gpu_wait_s > 0
         assert _pool_holds_the_right_experts(rt)
         assert rt.cache.control.fault() is None and not rt.cache.control.globals[cb.G_ERRORS]
@@ -136,11 +143,13 @@ def test_decode_through_the_table_is_exact(table_on_cpu, reference, fraction):
 
 
 def test_all_mode_looks_up_fully_cached_layers_without_misses(table_on_cpu, reference):
-    """``device_table="all"`` (the benchmark's measure of the lookup alone): every layer goes
+    """``table_every_layer`` (the benchmark's measure of the lookup alone): every layer goes
     through the table, is filled whole on first use, and decode never misses."""
     packed, prompt, want, _ = reference
-    model, _ = moeflux_mlx.load(packed, cache_budget="all", expert_io="pread", backend="ops",
-                                device_table="all")
+    options = LoadOptions.resolve(
+        cache_budget="all", expert_io="pread", backend="ops", table_every_layer=True
+    )
+    model, _ = moeflux_mlx.load(packed, options=options)
     with model.moeflux as rt:
         assert sorted(rt.cache.control.layers) == sorted(rt.layout.layers)
         assert not rt.cache.resident  # nothing bypasses the lookup
@@ -156,15 +165,15 @@ def test_all_mode_looks_up_fully_cached_layers_without_misses(table_on_cpu, refe
 def test_benchmark_pairs_the_lookup_alone(table_on_cpu, reference, tiny_checkpoints):
     """The benchmark's paired rounds add the kernels with every expert looked up through the
     table, and the lookup's cost per layer from those rounds."""
-    from moeflux_mlx import bench
+    from moeflux_mlx.benchmark import decode, report
 
     packed, prompt, _, _ = reference
     src = tiny_checkpoints["qwen3_moe"][0]
-    paired = bench._paired_resident(packed, src, prompt, 4, "pread", ("ops",), 2, table=True)
-    assert set(paired["moeflux"]) == {"moeflux ops", "moeflux ops table", bench.CEILING}
+    paired = decode._paired_resident(packed, src, prompt, 4, "pread", ("ops",), 2, table=True)
+    assert set(paired["moeflux"]) == {"moeflux ops", "moeflux ops table", report.CEILING}
     assert all(len(r["tps"]) == 2 for r in paired["moeflux"].values())
     assert isinstance(paired["table_lookup_ms_per_layer"], float)
-    lines = bench.summary_lines({"paired_resident": paired})
+    lines = report.summary_lines({"paired_resident": paired})
     assert any("device-side table alone, from those rounds" in line for line in lines)
 
 
@@ -176,7 +185,7 @@ def test_same_misses_as_the_synced_cache(table_on_cpu, reference):
     for table in (True, False):
         model, _ = moeflux_mlx.load(packed, cache_budget=int(0.3 * total), device_table=table)
         with model.moeflux as rt:
-            assert (rt.cache.control is not None) == table
+            assert (rt.cache.name == "table") == table
             tokens.append(_greedy(model, prompt))  # default backend: the kernels on a GPU
             rt.stats_dict()
             missed.append({i: s.experts_missed for i, s in rt.stats.layers.items()})
@@ -184,20 +193,29 @@ def test_same_misses_as_the_synced_cache(table_on_cpu, reference):
     assert tokens[0] == tokens[1]
 
 
-def test_lazy_calls_mixing_table_and_synced_paths_stay_exact(table_on_cpu, reference,
-                                                             tiny_checkpoints):
+def test_lazy_calls_mixing_table_and_synced_paths_stay_exact(
+    table_on_cpu, reference, tiny_checkpoints
+):
     """Forward passes built and left unevaluated while others run: one-token passes (through the
     table, evaluated last) around a multi-token one (synced, whose admissions evict and rewrite
     slots), at a budget small enough to evict. Each must see its own experts."""
-    if dt.resolve is reference_resolve:
-        pytest.skip("the Python stand-in looks up and fills when the graph is built; only the "
-                    "kernels do it in stream order, which this test is about")
+    if tk.resolve is reference_resolve:
+        pytest.skip(
+            "the Python stand-in looks up and fills when the graph is built; only the "
+            "kernels do it in stream order, which this test is about"
+        )
     packed, _, _, total = reference
     ref = mlx_lm.load(str(tiny_checkpoints["qwen3_moe"][0]))[0]
-    model, _ = moeflux_mlx.load(packed, cache_budget=int(0.3 * total), expert_io="pread",
-                                backend="ops")
-    xs = [mx.array([[5]]), mx.array([[250, 7, 7, 120, 64, 33, 2]]), mx.array([[99]]),
-          mx.array([[17, 3, 41]]), mx.array([[64]])]
+    model, _ = moeflux_mlx.load(
+        packed, cache_budget=int(0.3 * total), expert_io="pread", backend="ops"
+    )
+    xs = [
+        mx.array([[5]]),
+        mx.array([[250, 7, 7, 120, 64, 33, 2]]),
+        mx.array([[99]]),
+        mx.array([[17, 3, 41]]),
+        mx.array([[64]]),
+    ]
     with model.moeflux as rt:
         outs = [model(x) for x in xs]
         mx.eval(outs)
@@ -213,8 +231,9 @@ def test_failed_read_raises_at_the_next_call_then_recovers(table_on_cpu, referen
     it was filling, raises an error naming the file at the next call, and frees those slots;
     once the file is back, generation is exact again."""
     packed, prompt, want, total = reference
-    model, _ = moeflux_mlx.load(packed, cache_budget=int(0.3 * total), expert_io="pread",
-                                backend="ops")
+    model, _ = moeflux_mlx.load(
+        packed, cache_budget=int(0.3 * total), expert_io="pread", backend="ops"
+    )
     layer0 = min(expert_layout(packed).layers)
     path = packed / "packed_experts" / f"layer_{layer0:02d}.bin"
     data = path.read_bytes()
@@ -240,10 +259,10 @@ def test_gpu_fault_raises(table_on_cpu, reference):
     model, _ = moeflux_mlx.load(packed, cache_budget=int(0.3 * total))
     with model.moeflux as rt:
         control = rt.cache.control
-        control.faults[0] = dt.FAULT_TIMEOUT
+        control.faults[0] = cb.FAULT_TIMEOUT
         with pytest.raises(DeviceWaitError, match=f"layer {control.order[0]}.*waited"):
             rt.cache.check()
-        control.faults[0] = dt.FAULT_INDEX
+        control.faults[0] = cb.FAULT_INDEX
         with pytest.raises(DeviceWaitError, match="out of range"):
             rt.cache.check()
         control.faults[0] = 0
@@ -251,29 +270,40 @@ def test_gpu_fault_raises(table_on_cpu, reference):
 
 def test_control_block_regions_do_not_overlap():
     layers = {1: (128, 40), 3: (64, 64 - 1), 4: (256, 8), 6: (512, 100)}
-    c = dt.make_control(layers)
+    c = cb.ControlBlock(layers, allocate=PinnedBuffer)
     owner = np.zeros(c.buffer.array.size, np.int64)
     base = c.buffer.array.ctypes.data
     views = [c.globals, c.message] + [getattr(c, v) for v in cb.VECTORS]
     for t in c.layers.values():
-        views += [t.header, t.slot_of, t.last_used, t.request, t.copy_src, t.copy_dst,
-                  t.host_request, t.host_missing, t.host_victims, t.hint, t.stats]
+        views += [
+            t.header,
+            t.slot_of,
+            t.last_used,
+            t.request,
+            t.copy_src,
+            t.copy_dst,
+            t.host_request,
+            t.host_missing,
+            t.host_victims,
+            t.hint,
+            t.stats,
+        ]
         assert t.slot_of.size == t.num_experts and t.last_used.size == t.n_slots
         assert t.host_request.size >= t.n_slots and t.request.size == cb.MAX_SELECTIONS
         assert (t.slot_of == -1).all() and (t.last_used == -1).all()
     for v in views:
         start = v.ctypes.data - base
-        assert (owner[start:start + v.nbytes] == 0).all()
-        owner[start:start + v.nbytes] = 1
+        assert (owner[start : start + v.nbytes] == 0).all()
+        owner[start : start + v.nbytes] = 1
     staging = PinnedBuffer(128)
     for layer, t in c.layers.items():
-        m = np.array(dt._meta(c, staging, layer)).tolist()
+        m = np.array(tk._meta(c, staging, layer)).tolist()
         assert len(m) == cb.META_HINT + 2
-        assert c.words[m[cb.META_HINT]:].ctypes.data == c.hints[t.index:].ctypes.data
-        assert c.words[m[cb.META_HINT + 1]:].ctypes.data == t.hint.ctypes.data
-        assert c.words[m[3]:m[3] + t.num_experts].ctypes.data == t.slot_of.ctypes.data
-        assert c.words[m[0]:].ctypes.data == c.requests[t.index:].ctypes.data
-        assert c.words[m[10]:].ctypes.data == c.ticks[t.index:].ctypes.data
+        assert c.words[m[cb.META_HINT] :].ctypes.data == c.hints[t.index :].ctypes.data
+        assert c.words[m[cb.META_HINT + 1] :].ctypes.data == t.hint.ctypes.data
+        assert c.words[m[3] : m[3] + t.num_experts].ctypes.data == t.slot_of.ctypes.data
+        assert c.words[m[0] :].ctypes.data == c.requests[t.index :].ctypes.data
+        assert c.words[m[10] :].ctypes.data == c.ticks[t.index :].ctypes.data
     # a second mapping of the same memory (what the miss server sees) shares every word
     other = cb.ControlBlock(layers, fd=os.dup(c.fd))
     other.layers[4].slot_of[7] = 3
@@ -291,9 +321,19 @@ def tiny_store(tiny_checkpoints):
     store.close()
 
 
-def _server(store, layout, n_slots=4, prefetch=False):
-    control = dt.make_control({i: (lay.num_experts, n_slots) for i, lay in layout.layers.items()})
-    return dt.MissServer(control, store, prefetch=prefetch)
+def _server(store, layout, n_slots=4, read_ahead=False):
+    control = cb.ControlBlock(
+        {i: (lay.num_experts, n_slots) for i, lay in layout.layers.items()}, allocate=PinnedBuffer
+    )
+    o = LoadOptions()
+    return MissServer(
+        control,
+        store,
+        o.wait_timeout_s,
+        o.server_poll_us,
+        o.server_poll_max_us,
+        read_ahead=read_ahead,
+    )
 
 
 def _until(what, timeout=10):
@@ -307,7 +347,7 @@ def test_hints_are_read_ahead_and_taken_by_the_next_request(tiny_store):
     """Prefetch on the table path: the server reads a hint's absent experts ahead, the layer's
     next request takes those bytes (set-based), and a newer hint replaces an older one."""
     store, layout = tiny_store
-    server = _server(store, layout, prefetch=True)
+    server = _server(store, layout, read_ahead=True)
     try:
         c = server.control
         layer = c.order[0]
@@ -316,8 +356,14 @@ def test_hints_are_read_ahead_and_taken_by_the_next_request(tiny_store):
         staging = server.staging_for(blob, 4).array.reshape(-1, blob)
 
         def publish_hint(experts):
-            reference_hint(c, None, layer, mx.array(np.array([0], np.uint32)),
-                           mx.array(np.array(experts, np.uint32)))
+            reference_hint(
+                c,
+                None,
+                layer,
+                mx.array(np.array([0], np.uint32)),
+                mx.array(np.array(experts, np.uint32)),
+                wait_s=5.0,
+            )
 
         publish_hint([9])
         _until(lambda: t.stats[cb.S_PF_ISSUED] == 1)
@@ -341,10 +387,11 @@ def test_hints_are_read_ahead_and_taken_by_the_next_request(tiny_store):
 
 def test_decode_with_table_prefetch_is_exact(table_on_cpu, reference):
     packed, prompt, want, total = reference
-    model, _ = moeflux_mlx.load(packed, cache_budget=int(0.3 * total), expert_io="pread",
-                                backend="ops", prefetch=True)
+    model, _ = moeflux_mlx.load(
+        packed, cache_budget=int(0.3 * total), expert_io="pread", backend="ops", prefetch=True
+    )
     with model.moeflux as rt:
-        assert rt.cache.server.prefetch
+        assert rt.cache.server.read_ahead
         assert _greedy(model, prompt) == want
         rt.stats_dict()
         t = rt.stats.total()
@@ -372,7 +419,8 @@ def test_server_answers_while_this_process_holds_the_gil(tiny_store):
         assert c.answers[t.index] == 1, "not answered while the GIL was held"
         assert (t.slot_of[[3, 5]] >= 0).all() and t.header[cb.H_NCOPY] == 2
         rows = server.staging[layout.layers[layer].blob_size].array.reshape(
-            -1, layout.layers[layer].blob_size)
+            -1, layout.layers[layer].blob_size
+        )
         assert (rows[:2] == store.read(layer, np.array([3, 5]))).all()
         assert t.stats[cb.S_READ] == 2 and t.stats[cb.S_MISSED] == 2
     finally:
@@ -380,22 +428,27 @@ def test_server_answers_while_this_process_holds_the_gil(tiny_store):
 
 
 def test_poll_interval_backs_off_to_its_cap():
-    from moeflux_mlx import miss_server as ms
-    steps = [ms.IN_FLIGHT_POLL_S]
+    from moeflux_mlx.cuda import miss_server as ms
+
+    o = LoadOptions()
+    first, cap = o.server_poll_us * 1e-6, o.server_poll_max_us * 1e-6
+    steps = [first]
     for _ in range(40):
-        steps.append(ms.next_poll_interval(steps[-1]))
+        steps.append(ms.next_poll_interval(steps[-1], cap))
     assert all(b >= a for a, b in zip(steps, steps[1:]))
-    assert steps[-1] == ms.MAX_POLL_S and steps[1] <= ms.POLL_GROWTH * steps[0]
-    assert ms.next_poll_interval(0.0) == 0.0  # MOEFLUX_SERVER_POLL_US=0 keeps spinning
+    assert steps[-1] == cap and steps[1] <= ms.POLL_GROWTH * steps[0]
+    assert ms.next_poll_interval(0.0, cap) == 0.0  # MOEFLUX_SERVER_POLL_US=0 keeps spinning
 
 
 def test_request_after_a_long_quiet_spell_is_answered_promptly(tiny_store):
     """Every expert resident means table calls in flight and no request: the server's poll
     interval grows to its cap. A miss arriving then must still be answered within ~the cap
     (with the default 1 ms cap; the server process reads MOEFLUX_SERVER_POLL_MAX_US)."""
-    from moeflux_mlx import miss_server as ms
+    from moeflux_mlx.cuda import miss_server as ms
+
     store, layout = tiny_store
     server = _server(store, layout)
+    server_cap_ms = LoadOptions().server_poll_max_us / 1e3
     try:
         c = server.control
         t = c.layers[c.order[0]]
@@ -410,7 +463,7 @@ def test_request_after_a_long_quiet_spell_is_answered_promptly(tiny_store):
         c.requests[t.index] = 1
         _wait_answer(c, t.index, 1)
         waited = time.monotonic() - start
-        assert waited < 0.05, f"{waited * 1e3:.1f} ms to answer (cap {ms.MAX_POLL_S * 1e3} ms)"
+        assert waited < 0.05, f"{waited * 1e3:.1f} ms to answer (cap {server_cap_ms} ms)"
         assert t.slot_of[6] >= 0
     finally:
         server.close()
@@ -484,13 +537,16 @@ def test_pinned_buffer_is_plain_memory_without_cuda():
 
 
 def test_on_by_default_where_cuda_is(monkeypatch):
+    from moeflux_mlx.model.runtime import use_table
+
+    available = cuda_runtime.table_available()
     monkeypatch.delenv("MOEFLUX_DEVICE_TABLE", raising=False)
-    assert dt.enabled() == dt.available()
+    assert use_table(LoadOptions.resolve().device_table) == available
     monkeypatch.setenv("MOEFLUX_DEVICE_TABLE", "off")
-    assert not dt.enabled() and dt.enabled(True) == dt.available()
+    assert not use_table(LoadOptions.resolve().device_table)
+    assert use_table(LoadOptions.resolve(device_table=True).device_table) == available
     monkeypatch.setenv("MOEFLUX_DEVICE_TABLE", "0")
-    assert not dt.enabled()
+    assert not use_table(LoadOptions.resolve().device_table)
     monkeypatch.setenv("MOEFLUX_DEVICE_TABLE", "1")
-    assert dt.enabled() == dt.available()
-    assert not dt.enabled(False)
-    assert dt.enabled("all") == dt.available()
+    assert use_table(LoadOptions.resolve().device_table) == available
+    assert not use_table(LoadOptions.resolve(device_table=False).device_table)

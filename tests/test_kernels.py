@@ -1,4 +1,4 @@
-"""Fused expert kernels (moeflux_mlx.kernels).
+"""Fused expert kernels (moeflux_mlx.compute.kernels).
 
 GPU tests compare every kernel with a float64 numpy dequantize-and-multiply reference on fresh
 random inputs, with outputs poisoned (NaN) before each run and checked fully written. They run where
@@ -24,9 +24,11 @@ import numpy as np
 import pytest
 from mlx_lm.models.switch_layers import SwiGLU
 
-from moeflux_mlx import kernels as K
-from moeflux_mlx.backends import ExpertPool, OpsBackend
-from moeflux_mlx.layout import ExpertLayout, Quantization
+from moeflux_mlx.cache.pool import ExpertPool
+from moeflux_mlx.compute import kernel_source
+from moeflux_mlx.compute import kernels as K
+from moeflux_mlx.compute.ops import OpsBackend
+from moeflux_mlx.format.layout import ExpertLayout, Quantization
 
 
 def _gpu_dialect():
@@ -42,7 +44,8 @@ def _gpu_dialect():
 DIALECT = _gpu_dialect()
 needs_gpu = pytest.mark.skipif(
     DIALECT is None,
-    reason="needs MLX with a Metal or CUDA GPU backend (custom kernels cannot run on the CPU)")
+    reason="needs MLX with a Metal or CUDA GPU backend (custom kernels cannot run on the CPU)",
+)
 
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 DNAME = {mx.bfloat16: "bf16", mx.float16: "fp16", mx.float32: "fp32"}
@@ -75,9 +78,16 @@ def _report():
             key = f"{kind}/{case['dtype']}"
             worst[key] = max(worst.get(key, 0.0), err)
         with open(path, "w") as f:
-            json.dump({"dialect": DIALECT, "cases": len(RESULTS), "max_rel_err": worst,
-                       "results": [{"kernel": k, **c, "rel_err": e} for k, c, e in RESULTS]},
-                      f, indent=1)
+            json.dump(
+                {
+                    "dialect": DIALECT,
+                    "cases": len(RESULTS),
+                    "max_rel_err": worst,
+                    "results": [{"kernel": k, **c, "rel_err": e} for k, c, e in RESULTS],
+                },
+                f,
+                indent=1,
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,8 +127,13 @@ class RefPool:
         key = (proj, slot)
         if key not in self.cache:
             a = self.np
-            self.cache[key] = _dequant(a[f"{proj}.weight"][slot], a[f"{proj}.scales"][slot],
-                                       a[f"{proj}.biases"][slot], self.bits, self.gs)
+            self.cache[key] = _dequant(
+                a[f"{proj}.weight"][slot],
+                a[f"{proj}.scales"][slot],
+                a[f"{proj}.biases"][slot],
+                self.bits,
+                self.gs,
+            )
         return self.cache[key]
 
 
@@ -126,8 +141,10 @@ def make_arrays(n, hid, inter, bits, gs, sdtype, seed=0):
     """A pool of n random experts, MLX-quantized; scales/biases in sdtype."""
     keys = mx.random.split(mx.random.key(seed), 3)
     arrays = {}
-    for key, (proj, (o, i)) in zip(keys, {"gate_proj": (inter, hid), "up_proj": (inter, hid),
-                                          "down_proj": (hid, inter)}.items()):
+    for key, (proj, (o, i)) in zip(
+        keys,
+        {"gate_proj": (inter, hid), "up_proj": (inter, hid), "down_proj": (hid, inter)}.items(),
+    ):
         w = (mx.random.normal((n, o, i), key=key) / math.sqrt(i)).astype(sdtype)
         wq, s, b = mx.quantize(w, group_size=gs, bits=bits)
         arrays[f"{proj}.weight"], arrays[f"{proj}.scales"], arrays[f"{proj}.biases"] = wq, s, b
@@ -136,8 +153,9 @@ def make_arrays(n, hid, inter, bits, gs, sdtype, seed=0):
 
 
 def make_slots(rng, n_tok, topk, n_slots):
-    return mx.array(np.stack([rng.choice(n_slots, topk, replace=False) for _ in range(n_tok)])
-                    .astype(np.int32))
+    return mx.array(
+        np.stack([rng.choice(n_slots, topk, replace=False) for _ in range(n_tok)]).astype(np.int32)
+    )
 
 
 def ref_glu(ref: RefPool, x: np.ndarray, slots: np.ndarray, dtype=None) -> np.ndarray:
@@ -151,14 +169,26 @@ def ref_glu(ref: RefPool, x: np.ndarray, slots: np.ndarray, dtype=None) -> np.nd
 
 
 def ref_down(ref: RefPool, h: np.ndarray, slots: np.ndarray) -> np.ndarray:
-    return np.stack([[ref.w("down_proj", s) @ h[t, k] for k, s in enumerate(slots[t])]
-                     for t in range(len(slots))])
+    return np.stack(
+        [
+            [ref.w("down_proj", s) @ h[t, k] for k, s in enumerate(slots[t])]
+            for t in range(len(slots))
+        ]
+    )
 
 
 def check_glu(arrays, ref, x, slots, bits, gs, case, config=None):
     dtype = x.dtype
-    h = K.glu_matvec(x, arrays, slots, bits=bits, group_size=gs, dialect=DIALECT, config=config,
-                     init_value=float("nan"))
+    h = K.glu_matvec(
+        x,
+        arrays,
+        slots,
+        bits=bits,
+        group_size=gs,
+        dialect=DIALECT,
+        config=config,
+        init_value=float("nan"),
+    )
     assert h.shape == (*slots.shape, arrays["gate_proj.weight"].shape[1]) and h.dtype == dtype
     out = _np(h)
     assert np.isfinite(out).all(), "GLU output not fully written"
@@ -172,8 +202,16 @@ def check_glu(arrays, ref, x, slots, bits, gs, case, config=None):
 
 
 def check_down(arrays, ref, h, slots, bits, gs, case, config=None):
-    y = K.down_matvec(h, arrays, slots, bits=bits, group_size=gs, dialect=DIALECT, config=config,
-                      init_value=float("nan"))
+    y = K.down_matvec(
+        h,
+        arrays,
+        slots,
+        bits=bits,
+        group_size=gs,
+        dialect=DIALECT,
+        config=config,
+        init_value=float("nan"),
+    )
     assert y.shape == (*slots.shape, arrays["down_proj.weight"].shape[1]) and y.dtype == h.dtype
     out = _np(y)
     assert np.isfinite(out).all(), "down output not fully written"
@@ -219,20 +257,44 @@ def test_launch_configs_and_ragged_rows(bits):
     ref = RefPool(arrays, bits, gs)
     rng = np.random.default_rng(bits)
     nch_h, nch_i = hid * bits // 128, inter * bits // 128
-    glu_cfgs = [dict(lpr=l, nw=w, rpw=r) for l in (1, 2, 4) if nch_h % l == 0
-                for w, r in ((1, 1), (2, 3), (8, 2))]
-    down_cfgs = [dict(lpr=l, nw=w, rpw=r, nr=k) for l in (1, 2) if nch_i % l == 0
-                 for w, r, k in ((1, 1, 1), (2, 2, 3), (4, 1, 4))]
+    glu_cfgs = [
+        dict(lpr=lanes, nw=w, rpw=r)
+        for lanes in (1, 2, 4)
+        if nch_h % lanes == 0
+        for w, r in ((1, 1), (2, 3), (8, 2))
+    ]
+    down_cfgs = [
+        dict(lpr=lanes, nw=w, rpw=r, nr=k)
+        for lanes in (1, 2)
+        if nch_i % lanes == 0
+        for w, r, k in ((1, 1, 1), (2, 2, 3), (4, 1, 4))
+    ]
     for n_tok in (1, 3):
         x = mx.random.normal((n_tok, hid)).astype(mx.bfloat16)
         h = mx.random.normal((n_tok, topk, inter)).astype(mx.bfloat16)
         slots = make_slots(rng, n_tok, topk, n)
         for cfg in glu_cfgs:
-            check_glu(arrays, ref, x, slots, bits, gs,
-                      dict(shape="ragged", dtype="bf16", bits=bits, gs=gs, T=n_tok, cfg=cfg), cfg)
+            check_glu(
+                arrays,
+                ref,
+                x,
+                slots,
+                bits,
+                gs,
+                dict(shape="ragged", dtype="bf16", bits=bits, gs=gs, T=n_tok, cfg=cfg),
+                cfg,
+            )
         for cfg in down_cfgs:
-            check_down(arrays, ref, h, slots, bits, gs,
-                       dict(shape="ragged", dtype="bf16", bits=bits, gs=gs, T=n_tok, cfg=cfg), cfg)
+            check_down(
+                arrays,
+                ref,
+                h,
+                slots,
+                bits,
+                gs,
+                dict(shape="ragged", dtype="bf16", bits=bits, gs=gs, T=n_tok, cfg=cfg),
+                cfg,
+            )
 
 
 @needs_gpu
@@ -268,7 +330,9 @@ def test_mixed_dtypes_8bit_model_shape():
 
 def _strided(a: mx.array) -> mx.array:
     """The same values as a view with inner stride 2 (forces the word-by-word load path)."""
-    return mx.stack([a, mx.zeros_like(a)], axis=-1).reshape(*a.shape[:-1], 2 * a.shape[-1])[..., ::2]
+    return mx.stack([a, mx.zeros_like(a)], axis=-1).reshape(*a.shape[:-1], 2 * a.shape[-1])[
+        ..., ::2
+    ]
 
 
 @needs_gpu
@@ -278,21 +342,28 @@ def test_pool_views_without_copies():
     hid, inter, n, topk, bits, gs = 512, 256, 5, 4, 4, 64
     arrays = make_arrays(n, hid, inter, bits, gs, mx.bfloat16, seed=3)
     names = sorted(arrays)
-    tensors = {k: ("U32" if arrays[k].dtype == mx.uint32 else "BF16", tuple(arrays[k].shape))
-               for k in names}
+    tensors = {
+        k: ("U32" if arrays[k].dtype == mx.uint32 else "BF16", tuple(arrays[k].shape))
+        for k in names
+    }
     layout = ExpertLayout.from_tensors(tensors, Quantization(bits, gs))
     blobs = np.zeros((n, layout.blob_size + 64), np.uint8)
     shifted = np.zeros_like(blobs)
     for c in layout.components:
         a = arrays[c.name]
-        raw = np.array(a if a.dtype == mx.uint32 else a.view(mx.uint16)).view(np.uint8).reshape(n, -1)
-        blobs[:, c.offset:c.offset + c.nbytes] = raw
-        shifted[:, c.offset + 4:c.offset + 4 + c.nbytes] = raw
-    blob_pool = ExpertPool.from_blobs(mx.array(blobs[:, :layout.blob_size]), layout).arrays
+        raw = (
+            np.array(a if a.dtype == mx.uint32 else a.view(mx.uint16)).view(np.uint8).reshape(n, -1)
+        )
+        blobs[:, c.offset : c.offset + c.nbytes] = raw
+        shifted[:, c.offset + 4 : c.offset + 4 + c.nbytes] = raw
+    blob_pool = ExpertPool.from_blobs(mx.array(blobs[:, : layout.blob_size]), layout).arrays
     mshift = mx.array(shifted)
-    misaligned = {c.name: mshift[:, c.offset + 4:c.offset + 4 + c.nbytes]
-                  .view(mx.uint32 if c.dtype == "U32" else mx.bfloat16).reshape(n, *c.shape)
-                  for c in layout.components}
+    misaligned = {
+        c.name: mshift[:, c.offset + 4 : c.offset + 4 + c.nbytes]
+        .view(mx.uint32 if c.dtype == "U32" else mx.bfloat16)
+        .reshape(n, *c.shape)
+        for c in layout.components
+    }
     strided = {k: _strided(v) for k, v in arrays.items()}
     rng = np.random.default_rng(3)
     x = mx.random.normal((3, hid)).astype(mx.bfloat16)
@@ -300,10 +371,12 @@ def test_pool_views_without_copies():
     h0 = K.glu_matvec(x, arrays, slots, bits=bits, group_size=gs, dialect=DIALECT)
     y0 = K.down_matvec(h0, arrays, slots, bits=bits, group_size=gs, dialect=DIALECT)
     for label, pool in (("blobs", blob_pool), ("misaligned", misaligned), ("stride2", strided)):
-        h = K.glu_matvec(x, pool, slots, bits=bits, group_size=gs, dialect=DIALECT,
-                         init_value=float("nan"))
-        y = K.down_matvec(h0, pool, slots, bits=bits, group_size=gs, dialect=DIALECT,
-                          init_value=float("nan"))
+        h = K.glu_matvec(
+            x, pool, slots, bits=bits, group_size=gs, dialect=DIALECT, init_value=float("nan")
+        )
+        y = K.down_matvec(
+            h0, pool, slots, bits=bits, group_size=gs, dialect=DIALECT, init_value=float("nan")
+        )
         assert mx.array_equal(h, h0).item(), label
         assert mx.array_equal(y, y0).item(), label
 
@@ -320,8 +393,10 @@ def test_strided_activations_and_slots():
     logits = mx.random.normal((1, n_tok, n))
     slots = mx.argpartition(logits, kth=-topk, axis=-1)[..., -topk:]
     wide = mx.random.normal((1, n_tok, 2 * hid)).astype(mx.bfloat16)
-    cases = {"stride2": wide[..., ::2],
-             "transposed": mx.random.normal((hid, n_tok)).astype(mx.bfloat16).T[None]}
+    cases = {
+        "stride2": wide[..., ::2],
+        "transposed": mx.random.normal((hid, n_tok)).astype(mx.bfloat16).T[None],
+    }
     for label, x in cases.items():
         xc, sc = mx.contiguous(x), mx.contiguous(slots)
         h0 = K.glu_matvec(xc[0], arrays, sc[0], **q)
@@ -334,8 +409,9 @@ def test_strided_activations_and_slots():
         ht = mx.swapaxes(mx.swapaxes(h, 1, 2).astype(mx.float32).astype(mx.bfloat16), 1, 2)
         assert mx.array_equal(K.down_matvec(ht, arrays, slots, **q), y).item(), label
         kb = K.KernelBackend(DIALECT, OpsBackend())
-        assert mx.array_equal(kb(x, slots, ExpertPool(arrays, Quantization(bits, gs)), SwiGLU()),
-                              y).item(), label
+        assert mx.array_equal(
+            kb(x, slots, ExpertPool(arrays, Quantization(bits, gs)), SwiGLU()), y
+        ).item(), label
 
 
 @needs_gpu
@@ -363,8 +439,13 @@ def test_combine(dtype, variant):
                     s = s / (1.0 + np.exp(-_np(gate)))
                 ref = ref + s
             err = _rel(o, ref)
-            RESULTS.append(("combine", dict(shape=f"{hid}x{topk}", variant=variant,
-                                            dtype=DNAME[dtype], T=n_tok), err))
+            RESULTS.append(
+                (
+                    "combine",
+                    dict(shape=f"{hid}x{topk}", variant=variant, dtype=DNAME[dtype], T=n_tok),
+                    err,
+                )
+            )
             assert err < TOL[dtype], f"combine {variant} {hid}: {err:.2e}"
 
 
@@ -391,7 +472,9 @@ def test_backend_matches_ops(dtype, n_tok):
     assert _rel(_np(a2), _np(OpsBackend()(x2, slots2, pool, SwiGLU()))) < TOL_OPS[dtype]
     assert a.shape == b.shape == (1, n_tok, topk, hid) and a.dtype == b.dtype == dtype
     err = _rel(_np(a), _np(b))
-    RESULTS.append(("backend-vs-ops", dict(shape="qwen3-30b-a3b", dtype=DNAME[dtype], T=n_tok), err))
+    RESULTS.append(
+        ("backend-vs-ops", dict(shape="qwen3-30b-a3b", dtype=DNAME[dtype], T=n_tok), err)
+    )
     assert err < TOL_OPS[dtype], f"KernelBackend vs OpsBackend: {err:.2e}"
 
 
@@ -403,7 +486,9 @@ def test_backend_falls_back_on_gpu():
     x = mx.random.normal((1, 9, hid)).astype(mx.bfloat16)
     slots = make_slots(np.random.default_rng(0), 9, topk, n).reshape(1, 9, topk)
     assert "tokens" in kb.route(x, slots, pool, SwiGLU())
-    assert mx.array_equal(kb(x, slots, pool, SwiGLU()), OpsBackend()(x, slots, pool, SwiGLU())).item()
+    assert mx.array_equal(
+        kb(x, slots, pool, SwiGLU()), OpsBackend()(x, slots, pool, SwiGLU())
+    ).item()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,7 +496,7 @@ def test_backend_falls_back_on_gpu():
 
 
 def test_sources_load():
-    for name in K.SOURCE_FILES:
+    for name in kernel_source.SOURCE_FILES:
         text = K.load_source(name)
         assert len(text) > 100, name
         assert name.endswith((".h", ".cuh", ".metal")), f"{name} would not ship as package data"
@@ -420,22 +505,47 @@ def test_sources_load():
 
 
 _DIALECT_TOKENS = {
-    "cuda": ("threadIdx", "blockIdx", "__shfl", "__syncthreads", "__shared__", "__ldg", "__device__"),
-    "metal": ("simd_shuffle", "threadgroup_barrier", "thread_position_in", "threadgroup_position",
-              "simdgroup_index", "as_type", "device uint", "metal::"),
+    "cuda": (
+        "threadIdx",
+        "blockIdx",
+        "__shfl",
+        "__syncthreads",
+        "__shared__",
+        "__ldg",
+        "__device__",
+    ),
+    "metal": (
+        "simd_shuffle",
+        "threadgroup_barrier",
+        "thread_position_in",
+        "threadgroup_position",
+        "simdgroup_index",
+        "as_type",
+        "device uint",
+        "metal::",
+    ),
 }
 
 
 def _defined_names(text):
     return set(re.findall(r"#define\s+(MF_[A-Z0-9_]+)", text)) | set(
-        re.findall(r"const int (MF_[A-Z0-9_]+)\s*=", text))
+        re.findall(r"const int (MF_[A-Z0-9_]+)\s*=", text)
+    )
 
 
-@pytest.mark.parametrize("kind,variant", [("glu", "plain"), ("down", "plain"), ("combine", "plain"),
-                                          ("combine", "shared"), ("combine", "gated")])
+@pytest.mark.parametrize(
+    "kind,variant",
+    [
+        ("glu", "plain"),
+        ("down", "plain"),
+        ("combine", "plain"),
+        ("combine", "shared"),
+        ("combine", "gated"),
+    ],
+)
 def test_kernel_text_assembly(kind, variant):
     shared = K.shared_body(kind, variant)
-    common = K.load_source(K.COMMON)
+    common = K.load_source(kernel_source.COMMON)
     for text in (shared, common):  # the shared text names no dialect
         for tokens in _DIALECT_TOKENS.values():
             for tok in tokens:
@@ -443,17 +553,23 @@ def test_kernel_text_assembly(kind, variant):
     used = set(re.findall(r"\bMF_[A-Z0-9_]+", shared + common))
     for dialect in K.DIALECTS:
         header, body = K.kernel_text(kind, dialect, variant)
-        entry = K.load_source(K._ENTRY[dialect])
+        entry = K.load_source(kernel_source.ENTRY[dialect])
         assert body == entry + shared  # what runs on CUDA is what ships for Metal
-        assert header.startswith(K.load_source(K._PRELUDE[dialect])) and header.endswith(common)
+        assert header.startswith(K.load_source(kernel_source.PRELUDE[dialect])) and header.endswith(
+            common
+        )
         missing = used - _defined_names(header + body)
         assert not missing, f"{dialect}: MF_ names used but not defined: {sorted(missing)}"
         other = "metal" if dialect == "cuda" else "cuda"
         for tok in _DIALECT_TOKENS[other]:
             assert tok not in header + body, f"{other} token {tok!r} in the {dialect} text"
     _, metal_body = K.kernel_text(kind, "metal", variant)
-    for attr in ("thread_position_in_threadgroup", "thread_index_in_simdgroup",
-                 "simdgroup_index_in_threadgroup", "threadgroup_position_in_grid"):
+    for attr in (
+        "thread_position_in_threadgroup",
+        "thread_index_in_simdgroup",
+        "simdgroup_index_in_threadgroup",
+        "threadgroup_position_in_grid",
+    ):
         assert attr in metal_body  # MLX adds the attribute because the body names it
     if kind in ("glu", "down"):
         for name in K._INPUTS[kind][2:]:
@@ -463,9 +579,16 @@ def test_kernel_text_assembly(kind, variant):
 
 
 def test_kernel_names():
-    names = {K.kernel_name(k, d, v) for k, v in (("glu", "plain"), ("down", "plain"),
-                                               ("combine", "plain"), ("combine", "gated"))
-             for d in K.DIALECTS}
+    names = {
+        K.kernel_name(k, d, v)
+        for k, v in (
+            ("glu", "plain"),
+            ("down", "plain"),
+            ("combine", "plain"),
+            ("combine", "gated"),
+        )
+        for d in K.DIALECTS
+    }
     assert len(names) == 8
     assert K.kernel_name("glu", "cuda") == K.kernel_name("glu", "cuda")
     with pytest.raises(ValueError):
@@ -508,11 +631,25 @@ def test_backend_routing_and_fallback_cpu():
     # covered: the kernels would take it where the backend exists
     assert kb.route(x1, s1, pool4, SwiGLU(), assume_available=True) is None
     with mx.stream(mx.cpu):
-        fc = ExpertPool({**{f"fc1.{k}": v for k, v in zip(("weight", "scales", "biases"),
-                                                         mx.quantize(mx.random.normal((6, 128, 256)), 64, 4))},
-                         **{f"fc2.{k}": v for k, v in zip(("weight", "scales", "biases"),
-                                                         mx.quantize(mx.random.normal((6, 256, 128)), 64, 4))}},
-                        Quantization(4, 64))
+        fc = ExpertPool(
+            {
+                **{
+                    f"fc1.{k}": v
+                    for k, v in zip(
+                        ("weight", "scales", "biases"),
+                        mx.quantize(mx.random.normal((6, 128, 256)), 64, 4),
+                    )
+                },
+                **{
+                    f"fc2.{k}": v
+                    for k, v in zip(
+                        ("weight", "scales", "biases"),
+                        mx.quantize(mx.random.normal((6, 256, 128)), 64, 4),
+                    )
+                },
+            },
+            Quantization(4, 64),
+        )
     cases = [
         ("tokens", x9, s9, pool4, SwiGLU()),
         ("quantization", x1, s1, _cpu_pool(bits=3), SwiGLU()),
@@ -542,7 +679,9 @@ def test_backend_plans_once_per_pool_and_shape():
         x = mx.random.normal((1, n_tok, 256))
         s = make_slots(rng, n_tok, 4, 6).reshape(1, n_tok, 4)
         with mx.stream(mx.cpu):
-            assert mx.array_equal(kb(x, s, pool, SwiGLU()), OpsBackend()(x, s, pool, SwiGLU())).item()
+            assert mx.array_equal(
+                kb(x, s, pool, SwiGLU()), OpsBackend()(x, s, pool, SwiGLU())
+            ).item()
     assert calls == [(1, 1, 256), (1, 2, 256)]
     assert len(pool.plans) == 2 and all(p is None for p in pool.plans.values())  # no GPU here
     other = _cpu_pool()
@@ -560,6 +699,7 @@ def test_backend_adds_two_graph_nodes(monkeypatch):
         def run(inputs, output_shapes, output_dtypes, **kw):
             launched.append((kind, inputs[0], inputs[1], output_shapes[0]))
             return [mx.zeros(output_shapes[0], output_dtypes[0])]
+
         return run
 
     monkeypatch.setattr(K, "_kernel", fake_kernel)

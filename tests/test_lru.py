@@ -1,9 +1,9 @@
-"""Slot bookkeeping (moeflux_mlx.lru): LRU eviction, and the device-side table's split of a
+"""Slot bookkeeping (moeflux_mlx.cache.policy): LRU eviction, and the device-side table's split of a
 slot's last use between the host and the GPU."""
 
 import numpy as np
 
-from moeflux_mlx.lru import SlotLRU
+from moeflux_mlx.cache.policy import LRUPolicy as SlotLRU
 
 
 def _admit(lru, experts, tick):

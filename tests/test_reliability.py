@@ -32,10 +32,19 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import moeflux_mlx
-from moeflux_mlx import synth
-from moeflux_mlx.errors import (CheckpointError, ConvertError, ExpertFileError, ExpertIndexError,
-                                ExpertReadError, LayoutError, ModelClosedError, MoefluxError,
-                                SafetensorsHeaderError, UnsupportedQuantizationError)
+from moeflux_mlx.errors import (
+    CheckpointError,
+    ConvertError,
+    ExpertFileError,
+    ExpertIndexError,
+    ExpertReadError,
+    LayoutError,
+    ModelClosedError,
+    MoefluxError,
+    SafetensorsHeaderError,
+    UnsupportedQuantizationError,
+)
+from moeflux_mlx.testing import synth
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [1, 5, 9, 33, 2, 7, 100, 200, 17, 3]
@@ -102,7 +111,7 @@ def fault_preadv(monkeypatch, after: int, kind: str):
                 raise KeyboardInterrupt
             if kind == "half":
                 view = memoryview(buffers[0])
-                return real(fd, [view[:max(1, len(view) // 2)]], offset)
+                return real(fd, [view[: max(1, len(view) // 2)]], offset)
         return real(fd, buffers, offset, *args)
 
     monkeypatch.setattr(os, "preadv", fake)
@@ -127,17 +136,28 @@ def count_preadv(monkeypatch, fn) -> int:
 
 def foreign_threads():
     """Live threads other than the main thread and the stores' read pools."""
-    return sorted(t.name for t in threading.enumerate()
-                  if t is not threading.main_thread() and not t.name.startswith("moeflux-"))
+    return sorted(
+        t.name
+        for t in threading.enumerate()
+        if t is not threading.main_thread() and not t.name.startswith("moeflux-")
+    )
 
 
 def run_child(code: str, *args, timeout=120, user=None) -> dict:
     """Run ``code`` in a fresh interpreter; it prints one JSON line last."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONDONTWRITEBYTECODE="1")
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=str(ROOT))
-    assert proc.returncode == 0, (f"child died with {proc.returncode} "
-                                  f"(negative: killed by signal)\n{proc.stdout}\n{proc.stderr}")
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=str(ROOT),
+    )
+    assert proc.returncode == 0, (
+        f"child died with {proc.returncode} "
+        f"(negative: killed by signal)\n{proc.stdout}\n{proc.stderr}"
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -146,15 +166,24 @@ def dense_checkpoint(path: Path) -> Path:
     import mlx.nn as nn
     from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
-    cfg = dict(model_type="qwen3", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
-               vocab_size=512, rope_theta=10000.0, tie_word_embeddings=False,
-               max_position_embeddings=512)
+    cfg = dict(
+        model_type="qwen3",
+        hidden_size=128,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        vocab_size=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+    )
     model_class, args_class = _get_classes(cfg)
     model = model_class(args_class.from_dict(cfg))
     mx.random.seed(0)
-    model.update(nn.utils.tree_map(lambda p: mx.random.normal(p.shape) * 0.02,
-                                   model.parameters()))
+    model.update(nn.utils.tree_map(lambda p: mx.random.normal(p.shape) * 0.02, model.parameters()))
     model, cfg = quantize_model(model, cfg, 64, 4)
     save_model(path, model)
     save_config(cfg, path / "config.json")
@@ -170,6 +199,7 @@ def _missing_shard(d):
     def f(idx):
         name = sorted(idx["weight_map"])[0]
         idx["weight_map"][name] = "model-00002-of-00002.safetensors"
+
     edit_json(d / "model.safetensors.index.json", f)
 
 
@@ -189,15 +219,16 @@ def _offsets_past_end(d):
     p = d / "model.safetensors"
     raw = p.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
-    name = max((k for k in header if k != "__metadata__"),
-               key=lambda k: header[k]["data_offsets"][1])
+    header = json.loads(raw[8 : 8 + n])
+    name = max(
+        (k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1]
+    )
     b, e = header[name]["data_offsets"]
     header[name]["data_offsets"] = [b + 4096, e + 4096]
     new = json.dumps(header, separators=(",", ":")).encode()
     assert len(new) <= n
     new += b" " * (n - len(new))
-    p.write_bytes(raw[:8] + new + raw[8 + n:])
+    p.write_bytes(raw[:8] + new + raw[8 + n :])
 
 
 def _set_quant(**kv):
@@ -205,7 +236,9 @@ def _set_quant(**kv):
         def f(c):
             for key in ("quantization", "quantization_config"):
                 c[key].update(kv)
+
         edit_json(d / "config.json", f)
+
     return damage
 
 
@@ -213,11 +246,13 @@ def _drop_quant(d):
     def f(c):
         c.pop("quantization")
         c.pop("quantization_config")
+
     edit_json(d / "config.json", f)
 
 
 def _other_size_config(d):
     """config.json of another size of the same model (its moeflux section kept, if any)."""
+
     def f(c):
         other = synth.model_config("qwen3_moe", "small")
         for k in ("quantization", "quantization_config", "moeflux"):
@@ -225,6 +260,7 @@ def _other_size_config(d):
                 other[k] = c[k]
         c.clear()
         c.update(other)
+
     edit_json(d / "config.json", f)
 
 
@@ -240,6 +276,7 @@ def _layout_and_config(fn):
     def damage(d):
         edit_json(d / PACKED / "layout.json", fn)
         edit_json(d / "config.json", lambda c: c.pop("moeflux"))
+
     return damage
 
 
@@ -257,86 +294,260 @@ def _bits7(layout):
 
 BAD_INPUTS = [
     # converted directory
-    ("missing_layer_file", "dst", lambda d: (d / PACKED / "layer_01.bin").unlink(),
-     ExpertFileError, ["layer_01.bin", "missing", "layer 1"]),
-    ("truncated_layer_file", "dst",
-     lambda d: truncate(d / PACKED / "layer_00.bin", (d / PACKED / "layer_00.bin").stat().st_size // 2),
-     ExpertFileError, ["layer_00.bin", "truncated", "layer 0"]),
-    ("empty_layer_file", "dst", lambda d: truncate(d / PACKED / "layer_01.bin", 0),
-     ExpertFileError, ["layer_01.bin", "0 bytes"]),
-    ("oversized_layer_file", "dst",
-     lambda d: open(d / PACKED / "layer_00.bin", "ab").write(b"\0" * 100),
-     ExpertFileError, ["layer_00.bin", "wrong file or layout"]),
-    ("layout_json_corrupt", "dst", lambda d: (d / PACKED / "layout.json").write_text("{not json"),
-     LayoutError, ["layout.json", "unreadable"]),
-    ("layout_json_binary", "dst",
-     lambda d: (d / PACKED / "layout.json").write_bytes(bytes(range(256)) * 4),
-     LayoutError, ["layout.json"]),
-    ("layout_json_wrong_version", "dst", _layout(lambda l: l.update(format_version=99)),
-     LayoutError, ["layout.json", "format_version 99"]),
-    ("layout_json_missing", "dst", lambda d: (d / PACKED / "layout.json").unlink(),
-     LayoutError, ["layout.json", "missing"]),
-    ("layout_json_malformed", "dst", _layout(_del_components),
-     LayoutError, ["layout.json", "layer 0", "malformed"]),
-    ("layout_json_bad_bits", "dst", _layout(_bits7),
-     UnsupportedQuantizationError, ["layout.json", "layer 1", "bits 7"]),
-    ("layout_vs_config", "dst", _layout(_more_experts),
-     LayoutError, ["layout.json", "config.json", "different conversions"]),
-    ("layout_vs_files", "dst", _layout_and_config(_more_experts),
-     ExpertFileError, ["layer_00.bin", "layer 0", "32 experts"]),
-    ("config_other_size_dst", "dst", _other_size_config,
-     LayoutError, ["layer 0", "do not belong to this config"]),
-    ("config_fewer_layers_dst", "dst", _layers(1),
-     LayoutError, ["layer 1", "no SwitchGLU"]),
-    ("config_more_layers_dst", "dst", _layers(3),
-     CheckpointError, ["layers.2", "checkpoint has none"]),
-    ("config_unreadable_dst", "dst", lambda d: (d / "config.json").write_text("{]"),
-     CheckpointError, ["config.json", "unreadable"]),
-    ("dense_shard_header_dst", "dst", _damage_header,
-     SafetensorsHeaderError, ["model.safetensors", "damaged"]),
-    ("dense_shard_truncated_dst", "dst",
-     lambda d: truncate(d / "model.safetensors", (d / "model.safetensors").stat().st_size - 1000),
-     SafetensorsHeaderError, ["model.safetensors", "past the end of the file"]),
-    ("dense_shard_missing_dst", "dst", _missing_shard,
-     CheckpointError, ["missing shards", "model-00002-of-00002.safetensors"]),
+    (
+        "missing_layer_file",
+        "dst",
+        lambda d: (d / PACKED / "layer_01.bin").unlink(),
+        ExpertFileError,
+        ["layer_01.bin", "missing", "layer 1"],
+    ),
+    (
+        "truncated_layer_file",
+        "dst",
+        lambda d: truncate(
+            d / PACKED / "layer_00.bin", (d / PACKED / "layer_00.bin").stat().st_size // 2
+        ),
+        ExpertFileError,
+        ["layer_00.bin", "truncated", "layer 0"],
+    ),
+    (
+        "empty_layer_file",
+        "dst",
+        lambda d: truncate(d / PACKED / "layer_01.bin", 0),
+        ExpertFileError,
+        ["layer_01.bin", "0 bytes"],
+    ),
+    (
+        "oversized_layer_file",
+        "dst",
+        lambda d: open(d / PACKED / "layer_00.bin", "ab").write(b"\0" * 100),
+        ExpertFileError,
+        ["layer_00.bin", "wrong file or layout"],
+    ),
+    (
+        "layout_json_corrupt",
+        "dst",
+        lambda d: (d / PACKED / "layout.json").write_text("{not json"),
+        LayoutError,
+        ["layout.json", "unreadable"],
+    ),
+    (
+        "layout_json_binary",
+        "dst",
+        lambda d: (d / PACKED / "layout.json").write_bytes(bytes(range(256)) * 4),
+        LayoutError,
+        ["layout.json"],
+    ),
+    (
+        "layout_json_wrong_version",
+        "dst",
+        _layout(lambda d: d.update(format_version=99)),
+        LayoutError,
+        ["layout.json", "format_version 99"],
+    ),
+    (
+        "layout_json_missing",
+        "dst",
+        lambda d: (d / PACKED / "layout.json").unlink(),
+        LayoutError,
+        ["layout.json", "missing"],
+    ),
+    (
+        "layout_json_malformed",
+        "dst",
+        _layout(_del_components),
+        LayoutError,
+        ["layout.json", "layer 0", "malformed"],
+    ),
+    (
+        "layout_json_bad_bits",
+        "dst",
+        _layout(_bits7),
+        UnsupportedQuantizationError,
+        ["layout.json", "layer 1", "bits 7"],
+    ),
+    (
+        "layout_vs_config",
+        "dst",
+        _layout(_more_experts),
+        LayoutError,
+        ["layout.json", "config.json", "different conversions"],
+    ),
+    (
+        "layout_vs_files",
+        "dst",
+        _layout_and_config(_more_experts),
+        ExpertFileError,
+        ["layer_00.bin", "layer 0", "32 experts"],
+    ),
+    (
+        "config_other_size_dst",
+        "dst",
+        _other_size_config,
+        LayoutError,
+        ["layer 0", "do not belong to this config"],
+    ),
+    ("config_fewer_layers_dst", "dst", _layers(1), LayoutError, ["layer 1", "no SwitchGLU"]),
+    (
+        "config_more_layers_dst",
+        "dst",
+        _layers(3),
+        CheckpointError,
+        ["layers.2", "checkpoint has none"],
+    ),
+    (
+        "config_unreadable_dst",
+        "dst",
+        lambda d: (d / "config.json").write_text("{]"),
+        CheckpointError,
+        ["config.json", "unreadable"],
+    ),
+    (
+        "dense_shard_header_dst",
+        "dst",
+        _damage_header,
+        SafetensorsHeaderError,
+        ["model.safetensors", "damaged"],
+    ),
+    (
+        "dense_shard_truncated_dst",
+        "dst",
+        lambda d: truncate(
+            d / "model.safetensors", (d / "model.safetensors").stat().st_size - 1000
+        ),
+        SafetensorsHeaderError,
+        ["model.safetensors", "past the end of the file"],
+    ),
+    (
+        "dense_shard_missing_dst",
+        "dst",
+        _missing_shard,
+        CheckpointError,
+        ["missing shards", "model-00002-of-00002.safetensors"],
+    ),
     # plain mlx-lm checkpoint (load and convert)
-    ("no_config", "src", lambda d: (d / "config.json").unlink(),
-     CheckpointError, ["no config.json"]),
-    ("config_corrupt", "src", lambda d: (d / "config.json").write_text("not json"),
-     CheckpointError, ["config.json", "unreadable"]),
-    ("missing_shard", "src", _missing_shard,
-     CheckpointError, ["missing shards", "model-00002-of-00002.safetensors"]),
-    ("no_safetensors", "src", lambda d: (d / "model.safetensors").unlink(),
-     CheckpointError, ["model.safetensors"]),
-    ("damaged_header", "src", _damage_header,
-     SafetensorsHeaderError, ["model.safetensors", "damaged"]),
-    ("header_length_past_end", "src", _huge_header,
-     SafetensorsHeaderError, ["model.safetensors", "past the end"]),
-    ("truncated_shard", "src",
-     lambda d: truncate(d / "model.safetensors", (d / "model.safetensors").stat().st_size - 1000),
-     SafetensorsHeaderError, ["model.safetensors", "past the end of the file"]),
-    ("offsets_past_end", "src", _offsets_past_end,
-     SafetensorsHeaderError, ["model.safetensors", "past the end of the file"]),
-    ("too_short_shard", "src", lambda d: truncate(d / "model.safetensors", 5),
-     SafetensorsHeaderError, ["model.safetensors", "too short"]),
-    ("quant_bits_unsupported", "src", _set_quant(bits=7),
-     UnsupportedQuantizationError, ["layer 0", "bits 7"]),
-    ("quant_mode_unsupported", "src", _set_quant(mode="nf4"),
-     UnsupportedQuantizationError, ["layer 0", "'nf4'"]),
-    ("quant_bits_mismatch", "src", _set_quant(bits=8),
-     UnsupportedQuantizationError, ["layer 0", "do not match"]),
-    ("quant_group_unsupported", "src", _set_quant(group_size=48),
-     UnsupportedQuantizationError, ["layer 0", "group size 48"]),
-    ("quant_missing_in_config", "src", _drop_quant,
-     UnsupportedQuantizationError, ["layer 0", "no quantization"]),
-    ("config_other_size_src", "src", _other_size_config,
-     LayoutError, ["layer 0", "do not belong to this config"]),
-    ("config_fewer_layers_src", "src", _layers(1),
-     LayoutError, ["layer 1", "no SwitchGLU"]),
-    ("config_more_layers_src", "src", _layers(3),
-     CheckpointError, ["layers.2", "checkpoint has none"]),
-    ("converted_without_layout", "dst_as_src", lambda d: (d / PACKED / "layout.json").unlink(),
-     LayoutError, ["layout.json", "missing"]),
+    (
+        "no_config",
+        "src",
+        lambda d: (d / "config.json").unlink(),
+        CheckpointError,
+        ["no config.json"],
+    ),
+    (
+        "config_corrupt",
+        "src",
+        lambda d: (d / "config.json").write_text("not json"),
+        CheckpointError,
+        ["config.json", "unreadable"],
+    ),
+    (
+        "missing_shard",
+        "src",
+        _missing_shard,
+        CheckpointError,
+        ["missing shards", "model-00002-of-00002.safetensors"],
+    ),
+    (
+        "no_safetensors",
+        "src",
+        lambda d: (d / "model.safetensors").unlink(),
+        CheckpointError,
+        ["model.safetensors"],
+    ),
+    (
+        "damaged_header",
+        "src",
+        _damage_header,
+        SafetensorsHeaderError,
+        ["model.safetensors", "damaged"],
+    ),
+    (
+        "header_length_past_end",
+        "src",
+        _huge_header,
+        SafetensorsHeaderError,
+        ["model.safetensors", "past the end"],
+    ),
+    (
+        "truncated_shard",
+        "src",
+        lambda d: truncate(
+            d / "model.safetensors", (d / "model.safetensors").stat().st_size - 1000
+        ),
+        SafetensorsHeaderError,
+        ["model.safetensors", "past the end of the file"],
+    ),
+    (
+        "offsets_past_end",
+        "src",
+        _offsets_past_end,
+        SafetensorsHeaderError,
+        ["model.safetensors", "past the end of the file"],
+    ),
+    (
+        "too_short_shard",
+        "src",
+        lambda d: truncate(d / "model.safetensors", 5),
+        SafetensorsHeaderError,
+        ["model.safetensors", "too short"],
+    ),
+    (
+        "quant_bits_unsupported",
+        "src",
+        _set_quant(bits=7),
+        UnsupportedQuantizationError,
+        ["layer 0", "bits 7"],
+    ),
+    (
+        "quant_mode_unsupported",
+        "src",
+        _set_quant(mode="nf4"),
+        UnsupportedQuantizationError,
+        ["layer 0", "'nf4'"],
+    ),
+    (
+        "quant_bits_mismatch",
+        "src",
+        _set_quant(bits=8),
+        UnsupportedQuantizationError,
+        ["layer 0", "do not match"],
+    ),
+    (
+        "quant_group_unsupported",
+        "src",
+        _set_quant(group_size=48),
+        UnsupportedQuantizationError,
+        ["layer 0", "group size 48"],
+    ),
+    (
+        "quant_missing_in_config",
+        "src",
+        _drop_quant,
+        UnsupportedQuantizationError,
+        ["layer 0", "no quantization"],
+    ),
+    (
+        "config_other_size_src",
+        "src",
+        _other_size_config,
+        LayoutError,
+        ["layer 0", "do not belong to this config"],
+    ),
+    ("config_fewer_layers_src", "src", _layers(1), LayoutError, ["layer 1", "no SwitchGLU"]),
+    (
+        "config_more_layers_src",
+        "src",
+        _layers(3),
+        CheckpointError,
+        ["layers.2", "checkpoint has none"],
+    ),
+    (
+        "converted_without_layout",
+        "dst_as_src",
+        lambda d: (d / PACKED / "layout.json").unlink(),
+        LayoutError,
+        ["layout.json", "missing"],
+    ),
 ]
 
 # config mismatches are found while building the model: convert does not build one
@@ -366,8 +577,10 @@ def test_bad_input(ckpt, tmp_path, name, where, damage, exc, words):
 
 def test_not_moe(tmp_path):
     d = dense_checkpoint(tmp_path / "dense")
-    for call in (lambda: moeflux_mlx.load(d),
-                 lambda: moeflux_mlx.convert(d, tmp_path / "out", progress=False)):
+    for call in (
+        lambda: moeflux_mlx.load(d),
+        lambda: moeflux_mlx.convert(d, tmp_path / "out", progress=False),
+    ):
         with pytest.raises(CheckpointError, match="not an MoE checkpoint") as info:
             call()
         assert "qwen3" in str(info.value) and str(d) in str(info.value)
@@ -388,7 +601,7 @@ def test_convert_a_converted_directory(ckpt, tmp_path):
 
 PERMISSION_CHILD = """
 import json, os, pwd, sys
-import moeflux_mlx, moeflux_mlx.loader, mlx_lm.models.qwen3_moe  # all imported while still root
+import moeflux_mlx, moeflux_mlx.model.load, mlx_lm.models.qwen3_moe  # all imported while still root
 cases = json.loads(sys.argv[1])
 nobody = pwd.getpwnam("nobody")
 os.setgid(nobody.pw_gid)
@@ -419,20 +632,55 @@ def test_unreadable_files(ckpt):
     base = Path(tempfile.mkdtemp(prefix="moeflux-perm-"))  # pytest's tmp dirs are 0700
     try:
         cases = {  # name: (entry, kind, file made unreadable, expected type, words)
-            "layer_file": ("load", dst, f"{PACKED}/layer_01.bin", "ExpertFileError",
-                           ["layer_01.bin", "not readable", "layer 1"]),
-            "layout_json": ("load", dst, f"{PACKED}/layout.json", "LayoutError",
-                            ["layout.json", "Permission denied"]),
-            "config_json": ("load", dst, "config.json", "CheckpointError",
-                            ["config.json", "not readable"]),
-            "dense_shard": ("load", dst, "model.safetensors", "ExpertFileError",
-                            ["model.safetensors", "not readable"]),
-            "source_shard_load": ("load", src, "model.safetensors", "ExpertFileError",
-                                  ["model.safetensors", "not readable"]),
-            "source_shard_convert": ("convert", src, "model.safetensors", "ExpertFileError",
-                                     ["model.safetensors", "not readable"]),
-            "source_index_convert": ("convert", src, "model.safetensors.index.json",
-                                     "CheckpointError", ["index.json", "not readable"]),
+            "layer_file": (
+                "load",
+                dst,
+                f"{PACKED}/layer_01.bin",
+                "ExpertFileError",
+                ["layer_01.bin", "not readable", "layer 1"],
+            ),
+            "layout_json": (
+                "load",
+                dst,
+                f"{PACKED}/layout.json",
+                "LayoutError",
+                ["layout.json", "Permission denied"],
+            ),
+            "config_json": (
+                "load",
+                dst,
+                "config.json",
+                "CheckpointError",
+                ["config.json", "not readable"],
+            ),
+            "dense_shard": (
+                "load",
+                dst,
+                "model.safetensors",
+                "ExpertFileError",
+                ["model.safetensors", "not readable"],
+            ),
+            "source_shard_load": (
+                "load",
+                src,
+                "model.safetensors",
+                "ExpertFileError",
+                ["model.safetensors", "not readable"],
+            ),
+            "source_shard_convert": (
+                "convert",
+                src,
+                "model.safetensors",
+                "ExpertFileError",
+                ["model.safetensors", "not readable"],
+            ),
+            "source_index_convert": (
+                "convert",
+                src,
+                "model.safetensors.index.json",
+                "CheckpointError",
+                ["index.json", "not readable"],
+            ),
         }
         args = {}
         for name, (entry, orig, rel, _, _) in cases.items():
@@ -467,8 +715,11 @@ def test_expert_index_out_of_range(ckpt, budget):
     with model.moeflux:
         switch = model.model.layers[1].mlp.switch_mlp
         x = mx.zeros((1, 1, 128), mx.bfloat16)
-        for bad, dtype in (([0, 1, 2, 16], mx.uint32), ([0, 1, 2, 1 << 20], mx.uint32),
-                           ([0, -1, 2, 3], mx.int32)):
+        for bad, dtype in (
+            ([0, 1, 2, 16], mx.uint32),
+            ([0, 1, 2, 1 << 20], mx.uint32),
+            ([0, -1, 2, 3], mx.int32),
+        ):
             with pytest.raises(ExpertIndexError, match="layer 1: expert index") as info:
                 mx.eval(switch(x, mx.array([[bad]], dtype)))
             assert "16 experts" in str(info.value)
@@ -478,8 +729,12 @@ def test_expert_index_out_of_range(ckpt, budget):
 # --------------------------------------------------------------------------- faults mid-token
 
 
-STREAMING = [("pread", 0, 8, False), ("pread", 0, 1, False), ("pread", "0.4MB", 8, False),
-             ("pread", "0.4MB", 8, True)]
+STREAMING = [
+    ("pread", 0, 8, False),
+    ("pread", 0, 1, False),
+    ("pread", "0.4MB", 8, False),
+    ("pread", "0.4MB", 8, True),
+]
 STREAMING_IDS = ["pread-threads", "pread-serial", "pread-lru", "pread-lru-prefetch"]
 
 
@@ -494,12 +749,14 @@ def load_opts(prefetch):
 
 @pytest.mark.parametrize("io,budget,threads,prefetch", STREAMING, ids=STREAMING_IDS)
 @pytest.mark.parametrize("kind,match", [("eio", "Input/output error"), ("eof", "short read")])
-def test_read_fault_mid_generation(ckpt, reference, monkeypatch, io, budget, threads, prefetch,
-                                   kind, match):
+def test_read_fault_mid_generation(
+    ckpt, reference, monkeypatch, io, budget, threads, prefetch, kind, match
+):
     """A disk error / short read in the middle of a token: the generation raises, nothing is
     returned, and once the fault is gone the same model generates the right tokens."""
-    model, tok = moeflux_mlx.load(ckpt[1], expert_io=io, cache_budget=budget, threads=threads,
-                                  **load_opts(prefetch))
+    model, tok = moeflux_mlx.load(
+        ckpt[1], expert_io=io, cache_budget=budget, threads=threads, **load_opts(prefetch)
+    )
     with model.moeflux:
         total = count_preadv(monkeypatch, lambda: gen(model))
         assert total > 0
@@ -524,8 +781,7 @@ def test_failed_prefetch_mmap(ckpt, reference, monkeypatch, after):
     """mmap mode with prefetch: only the prefetcher's reads go through preadv. A failed prefetch
     of an expert the router then picks raises ExpertReadError; one it does not pick is dropped.
     Either way never a wrong token, and the model works once the fault is gone."""
-    model, _ = moeflux_mlx.load(ckpt[1], expert_io="mmap", cache_budget="0.4MB",
-                                **load_opts(True))
+    model, _ = moeflux_mlx.load(ckpt[1], expert_io="mmap", cache_budget="0.4MB", **load_opts(True))
     with model.moeflux:
         restore = fault_preadv(monkeypatch, after, "eio")
         try:
@@ -575,7 +831,9 @@ def test_truncated_after_load_pread(ckpt, reference, tmp_path):
     with model.moeflux:
         assert gen(model) == reference
         truncate(layer, len(original) // 3)
-        with pytest.raises(ExpertReadError, match=r"layer_01.bin \(layer 1, expert \d+\).*short read"):
+        with pytest.raises(
+            ExpertReadError, match=r"layer_01.bin \(layer 1, expert \d+\).*short read"
+        ):
             gen(model)
         layer.write_bytes(original)  # the fault is gone
         assert gen(model) == reference
@@ -631,13 +889,16 @@ def test_truncated_after_load_mmap_no_sigbus(ckpt, reference, tmp_path, which):
 # --------------------------------------------------------------------------- interrupts
 
 
-@pytest.mark.parametrize("budget,threads,prefetch", [(0, 8, False), ("0.4MB", 8, False),
-                                                      (0, 1, False), ("0.4MB", 8, True)],
-                         ids=["staging-threads", "lru-threads", "staging-serial", "lru-prefetch"])
+@pytest.mark.parametrize(
+    "budget,threads,prefetch",
+    [(0, 8, False), ("0.4MB", 8, False), (0, 1, False), ("0.4MB", 8, True)],
+    ids=["staging-threads", "lru-threads", "staging-serial", "lru-prefetch"],
+)
 def test_keyboard_interrupt_inside_a_read(ckpt, reference, monkeypatch, budget, threads, prefetch):
     """KeyboardInterrupt raised from inside a read (a worker thread for threads > 1)."""
-    model, _ = moeflux_mlx.load(ckpt[1], expert_io="pread", cache_budget=budget, threads=threads,
-                                **load_opts(prefetch))
+    model, _ = moeflux_mlx.load(
+        ckpt[1], expert_io="pread", cache_budget=budget, threads=threads, **load_opts(prefetch)
+    )
     with model.moeflux:
         before = foreign_threads()
         for after in (0, 5, 15, 30):
@@ -731,7 +992,9 @@ def test_closed_model(ckpt):
 
 
 def _tree(path: Path) -> dict:
-    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()
+    }
 
 
 def test_convert_read_error_then_resume(ckpt, tmp_path, monkeypatch):
@@ -780,7 +1043,7 @@ def test_convert_keyboard_interrupt(ckpt, tmp_path, monkeypatch):
 
 def test_convert_verify_failure(ckpt, tmp_path, monkeypatch):
     """Bytes that do not verify: ConvertError, no DST, and no partial directory to resume from."""
-    conv = importlib.import_module("moeflux_mlx.convert")  # the attribute is the function
+    conv = importlib.import_module("moeflux_mlx.format.convert")  # the attribute is the function
 
     src, out = ckpt[0], tmp_path / "out"
     real = conv._write_layer
@@ -815,8 +1078,17 @@ def test_convert_destination_exists(ckpt, tmp_path):
 
 
 def test_every_error_is_a_moeflux_error():
-    for exc in (CheckpointError, SafetensorsHeaderError, UnsupportedQuantizationError, LayoutError,
-                ExpertFileError, ExpertReadError, ExpertIndexError, ModelClosedError, ConvertError):
+    for exc in (
+        CheckpointError,
+        SafetensorsHeaderError,
+        UnsupportedQuantizationError,
+        LayoutError,
+        ExpertFileError,
+        ExpertReadError,
+        ExpertIndexError,
+        ModelClosedError,
+        ConvertError,
+    ):
         assert issubclass(exc, MoefluxError)
     assert issubclass(ExpertReadError, OSError) and issubclass(ExpertFileError, OSError)
     assert issubclass(CheckpointError, ValueError) and issubclass(ExpertIndexError, IndexError)

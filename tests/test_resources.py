@@ -28,7 +28,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import moeflux_mlx
-from moeflux_mlx import synth
+from moeflux_mlx.testing import synth
 
 ROOT = Path(__file__).resolve().parents[1]
 CYCLES = 1000
@@ -45,8 +45,14 @@ def dst(tmp_path_factory):
 
 def run_child(code: str, *args, timeout=400) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONDONTWRITEBYTECODE="1")
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=str(ROOT),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -68,10 +74,18 @@ def prefetch_opts(prefetch):
     return {"prefetch": True} if prefetch else {}
 
 
-@pytest.mark.parametrize("io,budget,threads,prefetch", [
-    ("pread", 0, 8, False), ("mmap", 0, 8, False), ("pread", "0.4MB", 8, False),
-    ("mmap", None, 8, False), ("pread", 0, 1, False), ("pread", "0.4MB", 8, True),
-    ("mmap", "0.4MB", 8, True)])
+@pytest.mark.parametrize(
+    "io,budget,threads,prefetch",
+    [
+        ("pread", 0, 8, False),
+        ("mmap", 0, 8, False),
+        ("pread", "0.4MB", 8, False),
+        ("mmap", None, 8, False),
+        ("pread", 0, 1, False),
+        ("pread", "0.4MB", 8, True),
+        ("mmap", "0.4MB", 8, True),
+    ],
+)
 def test_close_releases_everything(dst, io, budget, threads, prefetch):
     before_fds = fds()
     before_threads = {t.ident for t in threading.enumerate()}
@@ -173,9 +187,14 @@ def test_open_generate_close_cycles(dst):
     got = run_child(CYCLES_CHILD, dst, CYCLES, 1, json.dumps(PROMPT))
     s = got["samples"]
     base, last = s[0], s[-1]
-    print(f"{CYCLES} cycles in {got['seconds']:.1f} s; " + "; ".join(
-        f"#{x['cycle']}: fds {x['fds']} threads {x['threads']}/{x['tasks']} tasks "
-        f"rss {x['rss'] / 2**20:.1f} MB maps {x['maps']} mlx {x['mlx_active']}" for x in s))
+    print(
+        f"{CYCLES} cycles in {got['seconds']:.1f} s; "
+        + "; ".join(
+            f"#{x['cycle']}: fds {x['fds']} threads {x['threads']}/{x['tasks']} tasks "
+            f"rss {x['rss'] / 2**20:.1f} MB maps {x['maps']} mlx {x['mlx_active']}"
+            for x in s
+        )
+    )
     assert last["cycle"] == CYCLES
     for x in s:
         assert x["fds"] <= base["fds"], x
@@ -223,10 +242,13 @@ def test_long_generation_memory_is_flat(dst):
     assert len(s) == LONG_TOKENS // 500 and got["cache"] == "lru"
     assert got["experts_read"] > LONG_TOKENS  # it really streamed
     warm = s[1]
-    print(f"{LONG_TOKENS} tokens in {s[-1]['t']:.1f} s ({LONG_TOKENS / s[-1]['t']:.0f} tok/s), "
-          f"hit rate {got['hit_rate']:.2f}, {got['experts_read']} experts read; RSS MB: "
-          + " ".join(f"{x['rss'] / 2**20:.1f}" for x in s)
-          + "; MLX active KB: " + " ".join(f"{x['mlx_active'] / 1024:.0f}" for x in s))
+    print(
+        f"{LONG_TOKENS} tokens in {s[-1]['t']:.1f} s ({LONG_TOKENS / s[-1]['t']:.0f} tok/s), "
+        f"hit rate {got['hit_rate']:.2f}, {got['experts_read']} experts read; RSS MB: "
+        + " ".join(f"{x['rss'] / 2**20:.1f}" for x in s)
+        + "; MLX active KB: "
+        + " ".join(f"{x['mlx_active'] / 1024:.0f}" for x in s)
+    )
     for x in s[2:]:
         assert abs(x["rss"] - warm["rss"]) < 4 * 2**20, (warm, x)
         assert abs(x["mlx_active"] - warm["mlx_active"]) < 256 * 1024, (warm, x)

@@ -1,8 +1,8 @@
-"""Issue 5: ``moeflux-mlx server`` is mlx-lm's OpenAI-compatible server on a streaming model."""
+"""``moeflux-mlx server`` is mlx-lm's OpenAI-compatible server on a streaming model."""
 
 import json
-import re
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -12,13 +12,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import mlx_lm.server as mlx_server
 import pytest
 
-import mlx_lm.server as mlx_server
-
-from moeflux_mlx import cli, synth
-from moeflux_mlx.convert import convert
-from moeflux_mlx.server import has_routed_experts, streaming_load
+from moeflux_mlx import cli
+from moeflux_mlx.commands.common import load_options
+from moeflux_mlx.commands.server import StreamingModelProvider, has_routed_experts
+from moeflux_mlx.format.convert import convert
+from moeflux_mlx.testing import synth
 
 REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT = 60
@@ -44,8 +45,9 @@ def _get(url, timeout=5):
 
 
 def _post(url, body, timeout=60):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return r.status, r.read()
 
@@ -82,15 +84,37 @@ def test_server_chat_completion(packed, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "moeflux_mlx.cli", "server", "--model", str(packed),
-             "--host", "127.0.0.1", "--port", str(port), "--verbose", "--expert-io", "pread",
-             "--max-tokens", "12"],  # the last is mlx_lm.server's own flag, passed through
-            stdout=out, stderr=subprocess.STDOUT, env=env)
+            [
+                sys.executable,
+                "-m",
+                "moeflux_mlx.cli",
+                "server",
+                "--model",
+                str(packed),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--verbose",
+                "--expert-io",
+                "pread",
+                "--max-tokens",
+                "12",
+            ],  # the last is mlx_lm.server's own flag, passed through
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         try:
             _wait_ready(proc, base)
-            status, body = _post(f"{base}/v1/chat/completions", {
-                "model": "default_model", "temperature": 0,
-                "messages": [{"role": "user", "content": "Hello! How are you today?"}]})
+            status, body = _post(
+                f"{base}/v1/chat/completions",
+                {
+                    "model": "default_model",
+                    "temperature": 0,
+                    "messages": [{"role": "user", "content": "Hello! How are you today?"}],
+                },
+            )
             assert status == 200
             reply = json.loads(body)
             assert reply["object"] == "chat.completion"
@@ -98,11 +122,15 @@ def test_server_chat_completion(packed, tmp_path):
             assert message["role"] == "assistant" and message["content"]
             assert 1 <= reply["usage"]["completion_tokens"] <= 12
 
-            status, body = _post(f"{base}/v1/chat/completions", {
-                "max_tokens": 4, "stream": True,
-                "messages": [{"role": "user", "content": "Hi"}]})
-            chunks = [json.loads(line[6:]) for line in body.decode().splitlines()
-                      if line.startswith("data: {")]
+            status, body = _post(
+                f"{base}/v1/chat/completions",
+                {"max_tokens": 4, "stream": True, "messages": [{"role": "user", "content": "Hi"}]},
+            )
+            chunks = [
+                json.loads(line[6:])
+                for line in body.decode().splitlines()
+                if line.startswith("data: {")
+            ]
             assert status == 200 and chunks
             assert chunks[0]["object"] == "chat.completion.chunk"
         finally:
@@ -121,22 +149,37 @@ def test_server_bad_model_fails_before_serving(tmp_path, capsys):
     assert "Traceback" not in err and "moeflux-mlx: error: " in err
 
 
-def test_streaming_load_is_a_drop_in_for_mlx_lm_load(packed):
-    calls = []
+def _server_args(packed, *extra):
+    return cli.build_parser().parse_args(["server", "--model", str(packed), *extra])
 
-    def stock(*args, **kwargs):
-        calls.append(args)
-        raise AssertionError("stock mlx_lm.load must not be used for an MoE checkpoint")
 
-    load = streaming_load({"expert_io": "mmap"}, stock)
-    model, tokenizer, config = load(str(packed), tokenizer_config={"trust_remote_code": False},
-                                    return_config=True)
+def test_provider_streams_routed_experts_and_leaves_the_rest_to_mlx_lm(packed, monkeypatch):
+    args = _server_args(packed, "--expert-io", "mmap", "--max-tokens", "7")
+    provider = StreamingModelProvider(args, load_options(args))
+    model, tokenizer = provider.load("default_model")
     try:
-        assert model.moeflux.stats_dict()["io_mode"] == "mmap"
-        assert config["model_type"] == "qwen3_moe" and "moeflux" in config
-        assert tokenizer.eos_token_ids
+        assert model.moeflux.stats_dict()["io_mode"] == "mmap"  # the streaming option reached it
+        assert tokenizer.eos_token_ids and provider.is_batchable
+        assert provider.model_key[0] == str(packed) and provider.processor is None
+        assert provider.cli_args.max_tokens == 7  # mlx_lm.server's own flag
+        assert provider.load("default_model")[0] is model  # loaded once
     finally:
         model.moeflux.close()
-    assert has_routed_experts(packed) and not calls
-    # the hook: ModelProvider._load calls the module-level name that serve() rebinds
-    assert "load" in mlx_server.ModelProvider._load.__code__.co_names
+    assert has_routed_experts(packed)
+    dense = []
+    monkeypatch.setattr(mlx_server.ModelProvider, "_load", lambda self, *a: dense.append(a))
+    monkeypatch.setattr(
+        sys.modules[StreamingModelProvider.__module__], "has_routed_experts", lambda path: False
+    )
+    StreamingModelProvider(args, load_options(args))._load(str(packed))
+    assert dense == [(str(packed), None, None)]  # a checkpoint without experts: mlx-lm's loader
+
+
+def test_server_flags_cover_what_mlx_lm_server_reads():
+    """Every ``cli_args.X`` that mlx_lm.server reads is a flag of ``moeflux-mlx server``, with
+    mlx-lm's default; a newer mlx-lm that reads more fails here, not in a user's server."""
+    read = set(re.findall(r"cli_args\.([a-z_]+)", Path(mlx_server.__file__).read_text()))
+    args = _server_args("m")
+    missing = sorted(read - set(vars(args)))
+    assert not missing, f"flags mlx_lm.server reads but moeflux-mlx server lacks: {missing}"
+    assert args.chat_template_args == {} and args.allowed_origins == ["*"]  # as mlx-lm parses them

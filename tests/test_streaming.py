@@ -1,4 +1,4 @@
-"""Issue 3: the streaming model equals stock mlx-lm bit for bit.
+"""The streaming model equals stock mlx-lm bit for bit.
 
 Through the plain-MLX-ops backend (``EXACT``): it computes what mlx-lm computes, on every MLX
 backend. The fused kernels (the default on a GPU) sum in another order, close but not bit for bit
@@ -17,10 +17,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.models.switch_layers import SwitchGLU
 
 import moeflux_mlx
-from moeflux_mlx.checkpoint import expert_layout
-from moeflux_mlx import synth
-from moeflux_mlx.module import StreamingSwitchGLU
-from moeflux_mlx.store import select_expert_io
+from moeflux_mlx.format.checkpoint import expert_layout
+from moeflux_mlx.io.store import select_expert_io
+from moeflux_mlx.model.switch import StreamingSwitchGLU
+from moeflux_mlx.testing import synth
 
 MAX_TOKENS = 64
 EXACT = dict(backend="ops")
@@ -36,8 +36,10 @@ def _prompts(tokenizer):
 
 def _decode(model, prompt, cache):
     tokens, logprobs = [], []
-    for (tok, lp), _ in zip(generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS,
-                                          prompt_cache=cache), range(MAX_TOKENS)):
+    for (tok, lp), _ in zip(
+        generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS, prompt_cache=cache),
+        range(MAX_TOKENS),
+    ):
         tokens.append(int(tok))
         logprobs.append(lp)
     return tokens, mx.stack(logprobs)
@@ -71,8 +73,9 @@ def _stock(references, arch):
     benchmarks/results/2026-11-24-h100-notes.md); moeflux runs the same attention code."""
     prompts, want = references[arch]
     if any(mx.isnan(lp).any().item() for turns in want for _, lp in turns):
-        pytest.skip(f"stock mlx-lm returns NaN for {arch} on {mx.default_device()}: "
-                    "nothing to compare with")
+        pytest.skip(
+            f"stock mlx-lm returns NaN for {arch} on {mx.default_device()}: nothing to compare with"
+        )
     return prompts, want
 
 
@@ -89,8 +92,9 @@ def _assert_same(got, want):
 def test_equals_stock_mlx_lm(tiny_checkpoints, references, arch, source, expert_io):
     src, packed = tiny_checkpoints[arch]
     prompts, want = _stock(references, arch)
-    model, _ = moeflux_mlx.load(packed if source == "packed" else src, expert_io=expert_io,
-                                cache_budget=0, **EXACT)
+    model, _ = moeflux_mlx.load(
+        packed if source == "packed" else src, expert_io=expert_io, cache_budget=0, **EXACT
+    )
     with model.moeflux as rt:
         assert not any(isinstance(m, SwitchGLU) for _, m in model.named_modules())
         _assert_same(_two_turns(model, prompts), want)
@@ -113,7 +117,7 @@ def test_cache_budgets_equal_stock(tiny_checkpoints, references, arch, budget):
         assert rt.cache.name == "lru"
         if budget == "all":  # filled once, then no host syncs at all
             assert t["unsynced_calls"] > 0.9 * t["calls"]
-            assert t["experts_read"] == sum(l.num_experts for l in rt.layout.layers.values())
+            assert t["experts_read"] == sum(lay.num_experts for lay in rt.layout.layers.values())
         else:
             assert 0 < t["experts_missed"] < t["experts_routed"]
             assert 0.0 < rt.stats.hit_rate < 1.0
@@ -147,7 +151,7 @@ def test_mlx_lm_generate_and_stats_reset(tiny_checkpoints):
 
 
 def test_ram_gate(monkeypatch, caplog):
-    import moeflux_mlx.store as store
+    import moeflux_mlx.io.store as store
 
     class VM:
         total = 16 * 2**30
@@ -160,7 +164,7 @@ def test_ram_gate(monkeypatch, caplog):
     assert select_expert_io(10) == "pread"
     assert select_expert_io(10, "mmap") == "mmap"  # the argument wins over the environment
     monkeypatch.setenv("MOEFLUX_EXPERT_IO", "bogus")
-    with caplog.at_level(logging.INFO, logger="moeflux_mlx.store"):
+    with caplog.at_level(logging.INFO, logger="moeflux_mlx.io.store"):
         assert select_expert_io(123_456_789) == "mmap"
         assert select_expert_io(123_456_789) == "mmap"
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -174,20 +178,26 @@ def test_pread_turns_readahead_off(tiny_checkpoints, monkeypatch):
     mmap stores keep the kernel's default."""
     import os
 
-    import moeflux_mlx.store as store
+    import moeflux_mlx.format.readers as readers
+    import moeflux_mlx.io.store as store
 
     advised = []
-    monkeypatch.setattr(store.os, "posix_fadvise", lambda fd, off, n, advice:
-                        advised.append((fd, advice)), raising=False)
-    monkeypatch.setattr(store.os, "POSIX_FADV_RANDOM", getattr(os, "POSIX_FADV_RANDOM", 1),
-                        raising=False)
+    monkeypatch.setattr(
+        readers.os,
+        "posix_fadvise",
+        lambda fd, off, n, advice: advised.append((fd, advice)),
+        raising=False,
+    )
+    monkeypatch.setattr(
+        readers.os, "POSIX_FADV_RANDOM", getattr(os, "POSIX_FADV_RANDOM", 1), raising=False
+    )
     src, packed = tiny_checkpoints["qwen3_moe"]
     for path in (packed, src):
         advised.clear()
         st, _ = store.open_store(path, "pread")
         with st:
             fds = {fd for layer in st.layers.values() for fd in layer.file_descriptors().values()}
-            assert fds and {fd for fd, a in advised if a == store.os.POSIX_FADV_RANDOM} == fds
+            assert fds and {fd for fd, a in advised if a == readers.os.POSIX_FADV_RANDOM} == fds
         advised.clear()
         st, _ = store.open_store(path, "mmap")
         with st:
@@ -204,15 +214,22 @@ LOAD_RSS = textwrap.dedent("""
 def test_load_memory_is_independent_of_expert_size(tmp_path):
     rss = {}
     for n in (32, 128):
-        src = synth.build_checkpoint(tmp_path / f"e{n}", "qwen3_moe", "small",
-                                     overrides={"num_experts": n, "moe_intermediate_size": 512})
+        src = synth.build_checkpoint(
+            tmp_path / f"e{n}",
+            "qwen3_moe",
+            "small",
+            overrides={"num_experts": n, "moe_intermediate_size": 512},
+        )
         experts = expert_layout(src).total_expert_bytes
-        out = subprocess.run([sys.executable, "-c", LOAD_RSS, str(src)], capture_output=True,
-                             text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", LOAD_RSS, str(src)], capture_output=True, text=True, check=True
+        )
         rss[n] = (*map(int, out.stdout.split()), experts)
     (rss16, mlx16, e16), (rss64, mlx64, e64) = rss[32], rss[128]
-    print(f"experts {e16 / 1e6:.0f} -> {e64 / 1e6:.0f} MB; RSS {rss16 / 1e6:.0f} -> "
-          f"{rss64 / 1e6:.0f} MB; MLX active {mlx16 / 1e6:.1f} -> {mlx64 / 1e6:.1f} MB")
+    print(
+        f"experts {e16 / 1e6:.0f} -> {e64 / 1e6:.0f} MB; RSS {rss16 / 1e6:.0f} -> "
+        f"{rss64 / 1e6:.0f} MB; MLX active {mlx16 / 1e6:.1f} -> {mlx64 / 1e6:.1f} MB"
+    )
     assert e64 - e16 > 150e6
     assert rss64 - rss16 < 0.05 * (e64 - e16)
     assert mlx64 - mlx16 < 0.05 * (e64 - e16)

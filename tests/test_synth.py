@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 from mlx_lm.utils import _get_classes
 
-from moeflux_mlx import synth
+from moeflux_mlx.testing import synth
 
 PROMPT_TOKENS = [5, 300, 42, 7, 400, 11, 260, 3, 301, 302]
 MESSAGES = [{"role": "user", "content": "Hello! How are you today?"}]
@@ -136,7 +136,9 @@ def test_bits_and_group_size(tmp_path, bits, group_size):
         assert linear.weight.shape[-1] == linear.input_dims * bits // 32
     assert (block.gate.bits, block.gate.group_size) == (8, 64)
     assert (model.model.embed_tokens.bits, model.model.embed_tokens.group_size) == (
-        bits, group_size)
+        bits,
+        group_size,
+    )
     assert mx.isfinite(model(mx.array([PROMPT_TOKENS]))).all().item()
 
 
@@ -196,21 +198,61 @@ def test_tokenizer_is_padded_to_the_config_vocab(tmp_path):
 
 def test_full_configs_have_the_real_shapes():
     expected = {
-        "qwen3_moe": (dict(hidden_size=2048, num_hidden_layers=48, num_experts=128,
-                           num_experts_per_tok=8, moe_intermediate_size=768,
-                           num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                           vocab_size=151936), 30.5e9),
-        "qwen3_5_moe": (dict(hidden_size=4096, num_hidden_layers=60, num_experts=512,
-                             num_experts_per_tok=10, moe_intermediate_size=1024,
-                             shared_expert_intermediate_size=1024, full_attention_interval=4),
-                        396e9),
-        "deepseek_v3": (dict(hidden_size=7168, num_hidden_layers=61, n_routed_experts=256,
-                             num_experts_per_tok=8, moe_intermediate_size=2048, n_group=8,
-                             topk_group=4, first_k_dense_replace=3, n_shared_experts=1,
-                             kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
-                             qk_nope_head_dim=128, v_head_dim=128), 671e9),
-        "mixtral": (dict(hidden_size=4096, num_hidden_layers=32, num_local_experts=8,
-                         num_experts_per_tok=2, intermediate_size=14336), 46.7e9),
+        "qwen3_moe": (
+            dict(
+                hidden_size=2048,
+                num_hidden_layers=48,
+                num_experts=128,
+                num_experts_per_tok=8,
+                moe_intermediate_size=768,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                head_dim=128,
+                vocab_size=151936,
+            ),
+            30.5e9,
+        ),
+        "qwen3_5_moe": (
+            dict(
+                hidden_size=4096,
+                num_hidden_layers=60,
+                num_experts=512,
+                num_experts_per_tok=10,
+                moe_intermediate_size=1024,
+                shared_expert_intermediate_size=1024,
+                full_attention_interval=4,
+            ),
+            396e9,
+        ),
+        "deepseek_v3": (
+            dict(
+                hidden_size=7168,
+                num_hidden_layers=61,
+                n_routed_experts=256,
+                num_experts_per_tok=8,
+                moe_intermediate_size=2048,
+                n_group=8,
+                topk_group=4,
+                first_k_dense_replace=3,
+                n_shared_experts=1,
+                kv_lora_rank=512,
+                q_lora_rank=1536,
+                qk_rope_head_dim=64,
+                qk_nope_head_dim=128,
+                v_head_dim=128,
+            ),
+            671e9,
+        ),
+        "mixtral": (
+            dict(
+                hidden_size=4096,
+                num_hidden_layers=32,
+                num_local_experts=8,
+                num_experts_per_tok=2,
+                intermediate_size=14336,
+            ),
+            46.7e9,
+        ),
     }
     for arch, (keys, n_params) in expected.items():
         config = synth.model_config(arch, "full")

@@ -1,0 +1,192 @@
+"""The decode benchmark's results: the machine's name, a table, summary lines, and the files
+(JSON, markdown, a PNG when matplotlib is installed)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+from pathlib import Path
+from typing import List
+
+import mlx.core as mx
+import psutil
+
+CEILING = "moeflux experts skipped (ceiling)"
+
+log = logging.getLogger(__name__)
+
+
+def machine_name() -> str:
+    gpu = ""
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        try:
+            import subprocess
+
+            gpu = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            gpu = "CUDA GPU"
+    cpu = f"{platform.machine()} {psutil.cpu_count()} cores {psutil.virtual_memory().total / 2**30:.0f} GiB"
+    return f"{gpu}, {cpu}" if gpu else cpu
+
+
+def machine_tag(machine: str) -> str:
+    """A short name for result files: ``h100`` for "NVIDIA H100 80GB HBM3, ...", ``cpu2``."""
+    gpu = machine.split(",")[0] if "," in machine else ""
+    words = [
+        w
+        for w in gpu.split()
+        if w.upper() not in ("NVIDIA", "TESLA", "GEFORCE") and not w.upper().endswith("GB")
+    ]
+    return words[0].lower() if words else f"cpu{psutil.cpu_count()}"
+
+
+COLUMNS = [
+    ("name", "config", "{}"),
+    ("io_mode", "io", "{}"),
+    ("budget", "cache", "{}"),
+    ("lookup", "lookup", "{}"),
+    ("prompt_tps", "prompt tok/s", "{:.1f}"),
+    ("decode_tps", "decode tok/s", "{:.2f}"),
+    ("ratio_to_stock", "x stock", "{:.2f}"),
+    ("mb_read_per_token", "MB read/tok", "{:.1f}"),
+    ("hit_rate", "hit", "{:.0%}"),
+    ("prefetch_issued_per_token", "read ahead/tok", "{:.1f}"),
+    ("prefetch_hits_per_token", "prefetched/tok", "{:.1f}"),
+    ("sync_ms_per_token", "sync ms/tok", "{:.2f}"),
+    ("io_ms_per_token", "io ms/tok", "{:.2f}"),
+    ("upload_ms_per_token", "upload ms/tok", "{:.2f}"),
+    ("gpu_waits_per_token", "GPU waits/tok", "{:.2f}"),
+    ("gpu_wait_ms_per_token", "GPU wait ms/tok", "{:.2f}"),
+    ("other_ms_per_token", "rest ms/tok", "{:.2f}"),
+    ("io_bound_tps", "I/O bound tok/s", "{:.1f}"),
+    ("fraction_of_io_bound", "of bound", "{:.0%}"),
+    ("peak_memory_gb", "peak GB", "{:.2f}"),
+]
+
+
+def format_table(result: dict) -> str:
+    head = "| " + " | ".join(c[1] for c in COLUMNS) + " |"
+    lines = [head, "|" + "---|" * len(COLUMNS)]
+    for r in result["runs"]:
+        cells = [("-" if r[k] is None else f.format(r[k])) for k, _, f in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def summary_lines(result: dict) -> List[str]:
+    out = []
+    for key, what in (
+        (
+            "sync_overhead_ms_per_layer",
+            "host sync (99% budget, nearly all hits, the misses' reads included",
+        ),
+        (
+            "device_lookup_overhead_ms_per_layer",
+            "device-side table (99% budget, nearly all hits, the misses' reads and waits included",
+        ),
+        (
+            "device_lookup_only_ms_per_layer",
+            "device-side table alone (100% budget, every expert resident and looked up",
+        ),
+    ):
+        if result.get(key) is not None:
+            note = " (negative: within run-to-run noise)" if result[key] < 0 else ""
+            out.append(
+                f"Slot lookup overhead per MoE layer, {what}; vs 100% looking nothing "
+                f"up): {result[key]:.3f} ms{note}"
+            )
+    out += [f"FAILED: {f}" for f in result.get("failures", [])]
+    paired = result.get("paired_resident")
+    if paired:
+        line = (
+            f"All experts resident vs stock, all loaded in one process and decoding in turn, "
+            f"{paired['rounds']} rounds: stock "
+            + ", ".join(f"{v:.3g}" for v in paired["stock_tps"])
+            + " tok/s"
+        )
+        for name, r in paired["moeflux"].items():
+            line += (
+                f"; {name} "
+                + ", ".join(f"{v:.3g}" for v in r["tps"])
+                + f" tok/s, median ratio to stock {r['median_ratio']:.2f}x"
+            )
+        out.append(line)
+        ceiling = paired["moeflux"].get(CEILING)
+        if ceiling is not None:
+            out.append(
+                "Ceiling: with the experts' computation skipped (no weight read, no kernel), "
+                f"the rest of the model decodes at {ceiling['median_ratio']:.2f}x stock; "
+                "no expert kernel can make this model faster than that."
+            )
+        if paired.get("table_lookup_ms_per_layer") is not None:
+            out.append(
+                "Slot lookup overhead per MoE layer, device-side table alone, from those "
+                "rounds (the kernels with and without every expert looked up, median): "
+                f"{paired['table_lookup_ms_per_layer']:.3f} ms"
+            )
+    return out
+
+
+def write_results(result: dict, out_dir: Path, stem: str) -> List[Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
+    written[0].write_text(json.dumps(result, indent=1))
+    md = [
+        f"# Decode benchmark: {Path(result['model']).name}",
+        "",
+        f"Machine: {result['machine']}; MLX {result['mlx']} ({result['device']}).",
+        f"Random expert-sized reads of the expert files (8 threads): cold "
+        f"{result['cold_read_gb_s']:.2f} GB/s, from the page cache "
+        f"{result.get('page_cache_read_gb_s', float('nan')):.2f} GB/s. The I/O bound uses the cold figure.",
+        "Budgets below 100% run cold: during pread runs a separate process keeps dropping the expert files "
+        "from the page cache (as if the experts were many times RAM); mmap runs are cold only at "
+        "their start (mapped pages cannot be dropped).",
+        "",
+        format_table(result),
+        "",
+    ]
+    md += [line if line.endswith(".") else line + "." for line in summary_lines(result)]
+    if result["tokens_identical_to_stock"] is not None:
+        same = result["tokens_identical_to_stock"]
+        md.append(
+            f"Greedy tokens identical to stock mlx-lm: {sum(same.values())}/{len(same)} runs."
+        )
+    written[1].write_text("\n".join(md) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return written
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for io_mode in sorted({r["io_mode"] for r in result["runs"] if r["io_mode"] != "-"}):
+        rs = [r for r in result["runs"] if r["io_mode"] == io_mode]
+        for pf in (False, True):
+            sel = [r for r in rs if r["name"].endswith("+prefetch") == pf or r["budget"] == "100%"]
+            if pf and len(sel) <= 1:
+                continue
+            ax.plot(
+                [float(r["budget"].rstrip("%")) for r in sel],
+                [r["decode_tps"] for r in sel],
+                marker="o",
+                label=f"moeflux {io_mode}" + (" +prefetch" if pf else ""),
+            )
+    stock = [r for r in result["runs"] if r["name"].startswith("stock")]
+    if stock:
+        ax.axhline(stock[0]["decode_tps"], color="gray", linestyle="--", label="stock mlx-lm")
+    ax.set_xlabel("expert cache budget (% of experts)")
+    ax.set_ylabel("decode tok/s")
+    ax.set_title(result["machine"], fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    written.append(out_dir / f"{stem}.png")
+    fig.savefig(written[-1], dpi=120)
+    return written

@@ -1,0 +1,182 @@
+"""Multi-turn chat in the terminal with a streaming model (``moeflux-mlx chat``, examples/chat.py).
+
+The conversation lives in an mlx-lm prompt cache across turns. Each turn renders the whole
+conversation with the tokenizer's chat template and feeds the model only the tokens the cache
+does not already hold (the longest common prefix with what it holds is kept; a diverging tail, e.g.
+a reply the template re-renders differently, is trimmed off). Like ``mlx_lm.chat`` otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import logging
+from typing import Iterable, List, Optional
+
+from mlx_lm import stream_generate
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from .common import (
+    add_load_args,
+    add_model_arg,
+    add_sampling_args,
+    command_parser,
+    load_model,
+    main_for,
+    make_sampler,
+    print_stream,
+    say,
+    stats_line,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 256
+PROMPT = ">> "
+QUIT = ("/quit", "/exit", "q")
+HELP = "Type a message. /reset starts a new conversation; /quit, q or Ctrl-D exits."
+DESCRIPTION = "chat in the terminal (multi-turn, streamed)"
+
+
+class ChatSession:
+    """A conversation with ``model`` whose KV cache is kept between turns."""
+
+    def __init__(self, model, tokenizer, system_prompt: Optional[str] = None):
+        self.model, self.tokenizer, self.system_prompt = model, tokenizer, system_prompt
+        self.reset()
+
+    def reset(self) -> None:
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        self.messages = system
+        self.cache = make_prompt_cache(self.model)
+        self.cached: List[int] = []  # the tokens whose keys and values are in self.cache
+        self.new_tokens = self.reused_tokens = 0  # of the last turn's prompt
+
+    def _render(self) -> List[int]:
+        if self.tokenizer.has_chat_template:
+            return list(
+                self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
+            )
+        # No template: a plain transcript, enough to keep talking to a base model.
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in self.messages) + "assistant:"
+        return self.tokenizer.encode(text)
+
+    def _uncached(self, tokens: List[int]) -> List[int]:
+        """Drop from the cache what ``tokens`` does not continue; return what it lacks."""
+        keep = 0
+        for a, b in zip(self.cached, tokens):
+            if a != b:
+                break
+            keep += 1
+        keep = min(keep, len(tokens) - 1)  # the model must see at least one new token
+        extra = len(self.cached) - keep
+        if extra and can_trim_prompt_cache(self.cache):
+            trim_prompt_cache(self.cache, extra)
+        elif extra:
+            log.info(
+                "the prompt cache cannot be trimmed (recurrent layers): re-reading the conversation"
+            )
+            self.cache, keep = make_prompt_cache(self.model), 0
+        self.cached = tokens[:keep]
+        return tokens[keep:]
+
+    def send(self, text: str, **generate_kwargs) -> Iterable:
+        """Add the user's ``text``; stream the reply as mlx-lm ``GenerationResponse``s."""
+        self.messages.append({"role": "user", "content": text})
+        tokens = self._render()
+        new = self._uncached(tokens)
+        self.new_tokens, self.reused_tokens = len(new), len(tokens) - len(new)
+        log.info(
+            "prompt: %d tokens, %d of them reused from the prompt cache, %d new",
+            len(tokens),
+            self.reused_tokens,
+            self.new_tokens,
+        )
+        reply, generated, done = "", [], False
+        try:
+            for response in stream_generate(
+                self.model, self.tokenizer, new, prompt_cache=self.cache, **generate_kwargs
+            ):
+                reply += response.text
+                generated.append(response.token)  # each was fed to the model before it was yielded
+                yield response
+            done = True
+        finally:
+            if done:
+                self.cached = tokens + generated
+                self.messages.append({"role": "assistant", "content": reply})
+            else:  # interrupted mid-reply: the cache holds an unknown tail; forget the turn
+                self.messages.pop()
+                self.cache, self.cached = make_prompt_cache(self.model), []
+
+
+def reply(session: ChatSession, text: str, args: argparse.Namespace, sampler) -> None:
+    runtime = getattr(session.model, "moeflux", None)
+    if runtime is not None:
+        runtime.reset_stats()
+    # closing(): an interrupted reply runs send()'s cleanup now, not whenever it is collected
+    with contextlib.closing(session.send(text, max_tokens=args.max_tokens, sampler=sampler)) as s:
+        last = print_stream(s)
+    say(stats_line(last, runtime, session.reused_tokens))
+
+
+def chat_loop(session: ChatSession, args: argparse.Namespace, sampler, read=input) -> None:
+    say(HELP)
+    while True:
+        try:
+            line = read(PROMPT)
+        except EOFError:
+            print()
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text in QUIT:
+            break
+        if text == "/reset":
+            session.reset()
+            say("Conversation reset.")
+            continue
+        if text in ("/help", "h"):
+            say(HELP)
+            continue
+        try:
+            reply(session, text, args, sampler)
+        except KeyboardInterrupt:
+            say("\n[interrupted: this turn is forgotten]")
+
+
+def run(args: argparse.Namespace) -> int:
+    model, tokenizer = load_model(args)
+    try:
+        session = ChatSession(model, tokenizer, args.system_prompt)
+        sampler = make_sampler(args)
+        if args.prompt is not None:
+            reply(session, args.prompt, args, sampler)
+            return 0
+        try:
+            importlib.import_module("readline")  # importing it gives input() editing and history
+        except ImportError:
+            pass
+        chat_loop(session, args, sampler)
+        return 0
+    finally:
+        model.moeflux.close()
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    add_model_arg(parser)
+    parser.add_argument(
+        "--prompt",
+        "-p",
+        default=None,
+        help="one-shot: send this message, print the reply and its stats, exit",
+    )
+    parser.add_argument("--system-prompt", default=None, help="system prompt for the chat template")
+    add_sampling_args(parser, DEFAULT_MAX_TOKENS)
+    add_load_args(parser)
+
+
+def main(argv: Optional[list] = None) -> int:
+    return main_for(command_parser("chat", DESCRIPTION, add_args), run, argv)

@@ -1,0 +1,39 @@
+"""The kernel texts of ``metal_kernels/``: read from the installed package data, else from the
+source checkout. Shared by the fused expert kernels (``compute.kernels``) and the CUDA-only
+device-side table (``cuda.table_kernels``)."""
+
+from __future__ import annotations
+
+import importlib.resources
+from pathlib import Path
+
+_PACKAGE = "moeflux_mlx.metal_kernels"
+_CHECKOUT_DIR = Path(__file__).resolve().parents[2] / "metal_kernels"
+PRELUDE = {"metal": "prelude_metal.h", "cuda": "prelude_cuda.cuh"}
+ENTRY = {"metal": "entry_metal.h", "cuda": "entry_cuda.cuh"}
+COMMON = "moe_common.h"
+SOURCE_FILES = (
+    COMMON,
+    "glu_body.h",
+    "glu_rows.h",
+    "down_body.h",
+    "down_rows.h",
+    "combine_body.h",
+    "table_cuda.cuh",
+    "resolve_cuda.cuh",
+    "fill_cuda.cuh",
+    "write_cuda.cuh",
+    "hint_cuda.cuh",
+    *PRELUDE.values(),
+    *ENTRY.values(),
+)
+
+
+def load_source(name: str) -> str:
+    """A kernel source file: from the installed package data, else from the source checkout."""
+    if name not in SOURCE_FILES:
+        raise KeyError(f"unknown kernel source {name!r}")
+    try:
+        return importlib.resources.files(_PACKAGE).joinpath(name).read_text()
+    except (ModuleNotFoundError, FileNotFoundError, NotADirectoryError):
+        return (_CHECKOUT_DIR / name).read_text()

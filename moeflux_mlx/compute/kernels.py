@@ -1,0 +1,576 @@
+"""Fused expert kernels for decode: one text, two dialects (Metal and CUDA).
+
+Three kernels, each written once in ``metal_kernels/*.h`` against a handful of ``MF_*`` names that a
+small per-dialect prelude defines (thread indices, SIMD/warp shuffles, barriers, address spaces,
+fp16/bf16 conversions), so the CUDA run exercises the very algorithm that ships for Metal:
+
+``glu_matvec``   ``h[t,k,:] = silu(Wg[s] @ x[t]) * (Wu[s] @ x[t])`` for ``s = slots[t,k]``, gate and up in
+                 one pass over the weights; one dispatch for every token and expert.
+``down_matvec``  ``y[t,k,:] = Wd[s] @ h[t,k,:]``.
+``combine``      ``out = residual + sum_k w[t,k] * y[t,k,:]  (+ sigmoid(g[t]) * shared[t,:])``.
+
+Weights are MLX affine-quantized (4- or 8-bit, groups of 32/64/128) expert pools ``[n_slots, out, in]``
+(packed ``uint32``), read in place: pool arrays may be strided views (e.g. ``ExpertPool.from_blobs``)
+and are never copied. Accumulation is fp32; ``h`` and ``y`` are stored in the activation dtype, with
+the same roundings as mlx-lm's ``SwitchGLU`` (see docs/kernels.md).
+
+``KernelBackend`` plugs the kernels into ``compute.backend.select_backend``; shapes they do not cover go to
+the fallback (``compute.ops.OpsBackend``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+
+from .kernel_source import COMMON, ENTRY, PRELUDE, load_source
+from .ops import is_plain_swiglu
+
+log = logging.getLogger(__name__)
+_UNPLANNED = object()
+
+DIALECTS = ("metal", "cuda")
+SUPPORTED_BITS = (4, 8)
+SUPPORTED_GROUPS = (32, 64, 128)
+FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+MAX_TOKENS = 8  # decode and speculative verification; prefill goes to gather_qmm
+# Threadgroup memory for the staged activation (fp32, IN_DIM floats + one sum per chunk).
+SHARED_LIMIT = {"metal": 32 * 1024, "cuda": 48 * 1024}
+
+_INPUTS = {
+    "glu": ("x", "slots", "wg", "sg", "bg", "wu", "su", "bu"),
+    "down": ("hin", "slots", "wd", "sd", "bd"),
+}
+_OUTPUTS = {"glu": ("h",), "down": ("y",), "combine": ("out",)}
+_COMBINE_VARIANTS = {  # variant -> (inputs, MF_HAS_SHARED, MF_GATED)
+    "plain": (("res", "y", "wts"), 0, 0),
+    "shared": (("res", "y", "wts", "shr"), 1, 0),
+    "gated": (("res", "y", "wts", "shr", "sgate"), 1, 1),
+}
+_POOL_KEYS = {
+    "glu": (
+        "gate_proj.weight",
+        "gate_proj.scales",
+        "gate_proj.biases",
+        "up_proj.weight",
+        "up_proj.scales",
+        "up_proj.biases",
+    ),
+    "down": ("down_proj.weight", "down_proj.scales", "down_proj.biases"),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources
+
+
+def _check_dialect(dialect: str) -> None:
+    if dialect not in DIALECTS:
+        raise ValueError(f"unknown kernel dialect {dialect!r}; choose one of {', '.join(DIALECTS)}")
+
+
+def shared_body(kind: str, variant: str = "plain") -> str:
+    """The dialect-neutral kernel body (identical text for Metal and CUDA)."""
+    if kind in ("glu", "down"):
+        rows = load_source(f"{kind}_rows.h")
+        ws_b = "#define MF_WS_B 1\n" if kind == "glu" else ""
+        ws_b_var = "#define MF_WS_B mf_wsb\n" if kind == "glu" else ""
+        undef_b = "#undef MF_WS_B\n" if kind == "glu" else ""
+        return (
+            load_source(f"{kind}_body.h") + "  if (mf_vec) {\n"
+            "#define MF_LD(p, st) MF_LOAD16(p)\n#define MF_WS_A 1\n"
+            + ws_b
+            + rows
+            + "#undef MF_LD\n#undef MF_WS_A\n"
+            + undef_b
+            + "  } else {\n"
+            "#define MF_LD(p, st) mf_load_words((p), (st))\n#define MF_WS_A mf_wsa\n"
+            + ws_b_var
+            + rows
+            + "#undef MF_LD\n#undef MF_WS_A\n"
+            + undef_b
+            + "  }\n"
+        )
+    if kind == "combine":
+        _, has_shared, gated = _COMBINE_VARIANTS[variant]
+        return (
+            f"#define MF_HAS_SHARED {has_shared}\n#define MF_GATED {gated}\n"
+            + load_source("combine_body.h")
+            + "#undef MF_HAS_SHARED\n#undef MF_GATED\n"
+        )
+    raise ValueError(f"unknown kernel kind {kind!r}")
+
+
+def kernel_text(kind: str, dialect: str, variant: str = "plain") -> Tuple[str, str]:
+    """``(header, body)`` as handed to ``mx.fast.{metal,cuda}_kernel``:
+    header = dialect prelude + shared helpers, body = dialect entry + shared body."""
+    _check_dialect(dialect)
+    header = load_source(PRELUDE[dialect]) + "\n" + load_source(COMMON)
+    body = load_source(ENTRY[dialect]) + shared_body(kind, variant)
+    return header, body
+
+
+def kernel_name(kind: str, dialect: str, variant: str = "plain") -> str:
+    """Names carry a hash of the text: MLX caches compiled kernels by name (on disk, for CUDA)."""
+    header, body = kernel_text(kind, dialect, variant)
+    digest = hashlib.sha1((header + "\0" + body).encode()).hexdigest()[:10]
+    return f"moeflux_{kind}_{variant}_{digest}" if kind == "combine" else f"moeflux_{kind}_{digest}"
+
+
+_KERNELS: Dict[tuple, object] = {}
+
+
+def _kernel(kind: str, dialect: str, variant: str = "plain"):
+    key = (kind, dialect, variant)
+    k = _KERNELS.get(key)
+    if k is None:
+        header, body = kernel_text(kind, dialect, variant)
+        inputs = _COMBINE_VARIANTS[variant][0] if kind == "combine" else _INPUTS[kind]
+        # glu/down read every input through its strides: pools in place (no copy of a strided
+        # pool), x and slots as the router hands them over (no node). combine wants row-contiguous.
+        contiguous = kind == "combine"
+        make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
+        k = make(
+            name=kernel_name(kind, dialect, variant),
+            input_names=list(inputs),
+            output_names=list(_OUTPUTS[kind]),
+            source=body,
+            header=header,
+            ensure_row_contiguous=contiguous,
+        )
+        _KERNELS[key] = k
+    return k
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch configurations
+
+
+def _chunks(in_dim: int, bits: int) -> int:
+    return in_dim * bits // 128
+
+
+def _pow2_divisor(n: int, cap: int = 32) -> int:
+    d = 1
+    while d < cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def default_config(kind: str, in_dim: int, out_dim: int, bits: int, pairs: int) -> dict:
+    """Launch shape: lanes per row (lpr), warps per threadgroup (nw), row iterations (rpw),
+    rows loaded together per row group (nr, down only). From the H100 sweep (docs/kernels.md):
+    GLU rows are long (H), one warp per row; down rows are short (I), a few lanes per row with
+    at least 4 chunks (16-byte loads) per lane and 2 rows in flight, staying clear of spills."""
+    nch = _chunks(in_dim, bits)
+    if kind == "glu":
+        lpr = _pow2_divisor(nch)
+        nw = 4
+        rows_per_iter = nw * 32 // lpr
+        iters = max(1, out_dim // rows_per_iter)
+        # enough threadgroups to cover the GPU a few times over, without re-staging x too often
+        rpw = max(1, min(4, iters * pairs // 512))
+        return {"lpr": lpr, "nw": nw, "rpw": rpw}
+    lpr = _pow2_divisor(nch, 8)
+    while lpr > 1 and nch // lpr < 4:
+        lpr //= 2
+    nw, nr = 4, 2
+    while lpr < 32 and nch // lpr * nr > 16:  # more 16-byte loads per lane spill registers
+        lpr *= 2
+    rows_per_iter = nw * 32 // lpr * nr
+    iters = max(1, out_dim // rows_per_iter)
+    rpw = 2 if iters * pairs >= 1024 else 1
+    return {"lpr": lpr, "nw": nw, "rpw": rpw, "nr": nr}
+
+
+def _check_config(kind: str, cfg: dict, in_dim: int, bits: int) -> None:
+    nch = _chunks(in_dim, bits)
+    lpr = cfg["lpr"]
+    if lpr not in (1, 2, 4, 8, 16, 32) or nch % lpr:
+        raise ValueError(
+            f"{kind}: lanes per row {lpr} must be a power of two dividing {nch} chunks"
+        )
+    if cfg["nw"] < 1 or cfg["nw"] > 32 or cfg["rpw"] < 1 or cfg.get("nr", 1) < 1:
+        raise ValueError(f"{kind}: bad launch config {cfg}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Wrappers
+
+
+def _check_quant(bits: int, group_size: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"kernels support {SUPPORTED_BITS}-bit weights, not {bits}-bit")
+    if group_size not in SUPPORTED_GROUPS:
+        raise ValueError(f"kernels support group sizes {SUPPORTED_GROUPS}, not {group_size}")
+
+
+def _check_proj(
+    a: Dict[str, mx.array], proj: str, out_dim: int, in_dim: int, bits: int, group_size: int
+) -> int:
+    w, s, b = a[f"{proj}.weight"], a[f"{proj}.scales"], a[f"{proj}.biases"]
+    n = w.shape[0]
+    want_w = (n, out_dim, in_dim * bits // 32)
+    want_s = (n, out_dim, in_dim // group_size)
+    if w.dtype != mx.uint32 or tuple(w.shape) != want_w:
+        raise ValueError(f"{proj}.weight is {w.dtype}{tuple(w.shape)}, expected uint32{want_w}")
+    for name, arr in (("scales", s), ("biases", b)):
+        if tuple(arr.shape) != want_s or arr.dtype not in FLOAT_DTYPES:
+            raise ValueError(
+                f"{proj}.{name} is {arr.dtype}{tuple(arr.shape)}, expected float{want_s}"
+            )
+    return n
+
+
+SLOT_DTYPES = (mx.int32, mx.uint32)  # the kernels read either as a slot number
+
+
+def _slots(slots: mx.array) -> mx.array:
+    return slots if slots.dtype in SLOT_DTYPES else slots.astype(mx.int32)
+
+
+@dataclass
+class Launch:
+    """One kernel launch with everything but its two varying inputs worked out and checked:
+    call it with the activations (``x [..., in]`` for glu, ``h [..., K, in]`` for down) and
+    ``slots [..., K]`` (int32/uint32), strided or not: the kernels read them through their
+    strides, so no copy or reshape node enters the graph (decode is host-bound: every node
+    costs host time per layer and token, see docs/kernels.md)."""
+
+    kernel: object
+    arrays: List[mx.array]
+    kwargs: dict
+
+    def __call__(
+        self, x: mx.array, slots: mx.array, init_value: Optional[float] = None
+    ) -> mx.array:
+        return self.kernel(inputs=[x, slots, *self.arrays], init_value=init_value, **self.kwargs)[0]
+
+
+def _prepare(
+    kind: str,
+    dtype,
+    pool_arrays,
+    lead: Tuple[int, ...],
+    topk: int,
+    bits,
+    group_size,
+    dialect,
+    config,
+    in_dim,
+    out_dim,
+) -> Launch:
+    """``lead``: the leading (token) dims of x and slots; the output is ``[*lead, topk, out_dim]``."""
+    _check_dialect(dialect)
+    _check_quant(bits, group_size)
+    if in_dim % group_size or in_dim % (128 // bits):
+        raise ValueError(f"{kind}: input dim {in_dim} is not whole groups of {group_size}")
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{kind}: activations must be float16/bfloat16/float32, not {dtype}")
+    if 4 * (in_dim + _chunks(in_dim, bits)) > SHARED_LIMIT[dialect]:
+        raise ValueError(f"{kind}: input dim {in_dim} too large for threadgroup memory")
+    pairs = math.prod(lead) * topk
+    cfg = dict(default_config(kind, in_dim, out_dim, bits, pairs), **(config or {}))
+    _check_config(kind, cfg, in_dim, bits)
+    rows_per_iter = cfg["nw"] * 32 // cfg["lpr"] * cfg.get("nr", 1)
+    rows_per_group = rows_per_iter * cfg["rpw"]
+    n_groups = math.ceil(out_dim / rows_per_group)
+    nt = cfg["nw"] * 32
+    template = [
+        ("T", dtype),
+        ("BITS", bits),
+        ("GSZ", group_size),
+        ("IN_DIM", in_dim),
+        ("OUT_DIM", out_dim),
+        ("TOPK", topk),
+        ("LPR", cfg["lpr"]),
+        ("NW", cfg["nw"]),
+        ("RPW", cfg["rpw"]),
+    ]
+    if kind == "down":
+        template.append(("NR", cfg["nr"]))
+    return Launch(
+        _kernel(kind, dialect),
+        [pool_arrays[k] for k in _POOL_KEYS[kind]],
+        dict(
+            template=template,
+            grid=(n_groups * nt, pairs, 1),
+            threadgroup=(nt, 1, 1),
+            output_shapes=[(*lead, topk, out_dim)],
+            output_dtypes=[dtype],
+        ),
+    )
+
+
+def glu_matvec(
+    x: mx.array,
+    pool_arrays: Dict[str, mx.array],
+    slots: mx.array,
+    *,
+    bits: int,
+    group_size: int,
+    dialect: str,
+    config: Optional[dict] = None,
+    init_value: Optional[float] = None,
+) -> mx.array:
+    """``h[t,k,:] = silu(Wg[s] @ x[t]) * (Wu[s] @ x[t])``, ``s = slots[t,k]``.
+
+    x ``[..., H]`` (float16/bfloat16/float32), slots ``[..., K]`` (int) -> h ``[..., K, I]`` in
+    x.dtype; x and slots may be strided. ``config`` overrides the launch shape (see
+    ``default_config``); ``init_value`` fills the output before the kernel runs (tests poison it
+    with NaN)."""
+    a = pool_arrays
+    in_dim = x.shape[-1]
+    out_dim = a["gate_proj.weight"].shape[1]
+    if x.ndim < 2 or tuple(slots.shape[:-1]) != tuple(x.shape[:-1]):
+        raise ValueError(
+            f"expected x [..., D] and slots [..., K] with the same leading dims, "
+            f"got {x.shape} and {slots.shape}"
+        )
+    _check_quant(bits, group_size)
+    _check_proj(a, "gate_proj", out_dim, in_dim, bits, group_size)
+    _check_proj(a, "up_proj", out_dim, in_dim, bits, group_size)
+    launch = _prepare(
+        "glu",
+        x.dtype,
+        a,
+        tuple(x.shape[:-1]),
+        slots.shape[-1],
+        bits,
+        group_size,
+        dialect,
+        config,
+        in_dim,
+        out_dim,
+    )
+    return launch(x, _slots(slots), init_value)
+
+
+def down_matvec(
+    h: mx.array,
+    pool_arrays: Dict[str, mx.array],
+    slots: mx.array,
+    *,
+    bits: int,
+    group_size: int,
+    dialect: str,
+    config: Optional[dict] = None,
+    init_value: Optional[float] = None,
+) -> mx.array:
+    """``y[t,k,:] = Wd[s] @ h[t,k,:]``: h ``[..., K, I]``, slots ``[..., K]`` -> y ``[..., K, H]`` in
+    h.dtype; h and slots may be strided."""
+    a = pool_arrays
+    if h.ndim < 2 or tuple(h.shape[:-1]) != tuple(slots.shape):
+        raise ValueError(
+            f"expected h [..., K, I] matching slots [..., K], got {h.shape}, {slots.shape}"
+        )
+    in_dim = h.shape[-1]
+    out_dim = a["down_proj.weight"].shape[1]
+    _check_quant(bits, group_size)
+    _check_proj(a, "down_proj", out_dim, in_dim, bits, group_size)
+    launch = _prepare(
+        "down",
+        h.dtype,
+        a,
+        tuple(slots.shape[:-1]),
+        slots.shape[-1],
+        bits,
+        group_size,
+        dialect,
+        config,
+        in_dim,
+        out_dim,
+    )
+    return launch(h, _slots(slots), init_value)
+
+
+def combine(
+    residual: mx.array,
+    y: mx.array,
+    weights: mx.array,
+    shared: Optional[mx.array] = None,
+    shared_gate: Optional[mx.array] = None,
+    *,
+    dialect: str,
+    init_value: Optional[float] = None,
+) -> mx.array:
+    """``residual + sum_k weights[...,k] * y[...,k,:]``, plus ``sigmoid(shared_gate) * shared``
+    (Qwen3-Next/3.5) or, with ``shared_gate=None``, plain ``shared`` (DeepSeek). fp32 accumulation,
+    one rounding to ``residual.dtype``. residual ``[..., H]``, y ``[..., K, H]``, weights ``[..., K]``,
+    shared ``[..., H]``, shared_gate ``[...]`` or ``[..., 1]``."""
+    _check_dialect(dialect)
+    dim = residual.shape[-1]
+    lead = tuple(residual.shape[:-1])
+    n_tok = math.prod(lead)
+    topk = y.shape[-2]
+    if tuple(y.shape) != lead + (topk, dim) or tuple(weights.shape) != lead + (topk,):
+        raise ValueError(
+            f"combine: residual {residual.shape}, y {y.shape}, weights {weights.shape}"
+        )
+    if shared_gate is not None and shared is None:
+        raise ValueError("combine: shared_gate without shared")
+    inputs = [
+        residual.reshape(n_tok, dim),
+        y.reshape(n_tok * topk, dim),
+        weights.reshape(n_tok, topk),
+    ]
+    variant = "plain"
+    if shared is not None:
+        if tuple(shared.shape) != lead + (dim,):
+            raise ValueError(
+                f"combine: shared {shared.shape} does not match residual {residual.shape}"
+            )
+        inputs.append(shared.reshape(n_tok, dim))
+        variant = "shared"
+        if shared_gate is not None:
+            if shared_gate.size != n_tok:
+                raise ValueError(f"combine: shared_gate {shared_gate.shape} is not one per token")
+            inputs.append(shared_gate.reshape(n_tok))
+            variant = "gated"
+    nt = 256
+    out = _kernel("combine", dialect, variant)(
+        inputs=inputs,
+        template=[("T", residual.dtype), ("DIM", dim), ("TOPK", topk), ("NT", nt)],
+        grid=(math.ceil(dim / nt) * nt, n_tok, 1),
+        threadgroup=(nt, 1, 1),
+        output_shapes=[(n_tok, dim)],
+        output_dtypes=[residual.dtype],
+        init_value=init_value,
+    )[0]
+    return out.reshape(residual.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend
+
+
+def dialect_available(dialect: str) -> bool:
+    _check_dialect(dialect)
+    if mx.default_device() != mx.gpu:
+        return False
+    if dialect == "metal":
+        return mx.metal.is_available()
+    return mx.cuda.is_available()
+
+
+class KernelBackend:
+    """Expert computation through the fused kernels; same call as ``compute.ops.OpsBackend``.
+
+    ``x [..., H]``, ``slots [..., K]`` -> ``[..., K, H]`` in ``x.dtype``, like ``SwitchGLU``. Whatever
+    the kernels do not cover (see ``route``) goes to ``fallback(x, slots, pool, activation)``."""
+
+    def __init__(self, dialect: str, fallback):
+        _check_dialect(dialect)
+        self.dialect = dialect
+        self.name = dialect
+        self.fallback = fallback
+        self._available: Optional[bool] = None
+
+    @property
+    def available(self) -> bool:
+        if self._available is None:
+            self._available = dialect_available(self.dialect)
+        return self._available
+
+    def route(
+        self, x: mx.array, slots: mx.array, pool, activation, *, assume_available: bool = False
+    ) -> Optional[str]:
+        """None when the fused kernels take this call, else why it falls back."""
+        if not (assume_available or self.available):
+            return f"{self.dialect} backend not available on this device"
+        if not pool.is_glu:
+            return "not a gated (SwitchGLU) expert pool"
+        if not is_plain_swiglu(activation):
+            return f"activation {type(activation).__name__} is not plain SwiGLU"
+        q = pool.quantization
+        if q is None:
+            return "experts are not quantized"
+        if (
+            q.mode != "affine"
+            or q.bits not in SUPPORTED_BITS
+            or q.group_size not in SUPPORTED_GROUPS
+        ):
+            return f"quantization {q.mode} {q.bits}-bit group {q.group_size} not covered"
+        a = pool.arrays
+        if any(k.endswith(".bias") for k in a):
+            return "experts have bias vectors"
+        if x.dtype not in FLOAT_DTYPES:
+            return f"activation dtype {x.dtype} not covered"
+        if x.ndim < 1 or slots.ndim != x.ndim or tuple(slots.shape[:-1]) != tuple(x.shape[:-1]):
+            return f"x {x.shape} and slots {slots.shape} do not pair up token for token"
+        n_tok = math.prod(x.shape[:-1])
+        if not 1 <= n_tok <= MAX_TOKENS:
+            return f"{n_tok} tokens (kernels cover 1..{MAX_TOKENS})"
+        hid = x.shape[-1]
+        try:
+            inter = a["gate_proj.weight"].shape[1]
+            _check_proj(a, "gate_proj", inter, hid, q.bits, q.group_size)
+            _check_proj(a, "up_proj", inter, hid, q.bits, q.group_size)
+            _check_proj(a, "down_proj", hid, inter, q.bits, q.group_size)
+        except (KeyError, ValueError) as e:
+            return f"pool arrays not covered ({e})"
+        for d in (hid, inter):
+            if d % q.group_size or 4 * (d + _chunks(d, q.bits)) > SHARED_LIMIT[self.dialect]:
+                return f"dimension {d} not covered"
+        return None
+
+    def __call__(self, x: mx.array, slots: mx.array, pool, activation) -> mx.array:
+        # decode calls this once per MoE layer and token: the checks and launch shapes are worked
+        # out once per pool and call shape (``pool.plans``), so only the launches remain here
+        key = (self.dialect, x.shape, x.dtype, slots.shape, slots.dtype, type(activation))
+        plan = pool.plans.get(key, _UNPLANNED)
+        if plan is _UNPLANNED:
+            plan = pool.plans[key] = self._plan(x, slots, pool, activation)
+        if plan is None:
+            return self.fallback(x, slots, pool, activation)
+        glu, down = plan
+        slots = _slots(slots)
+        return down(glu(x, slots), slots)  # two graph nodes per layer, nothing else
+
+    def _plan(self, x, slots, pool, activation) -> Optional[Tuple[Launch, Launch]]:
+        """The two launches for calls shaped like this one, or None: the fallback takes them."""
+        why = self.route(x, slots, pool, activation)
+        if why is not None:
+            log.debug(
+                "%s kernels not used for x %s, slots %s: %s",
+                self.dialect,
+                x.shape,
+                slots.shape,
+                why,
+            )
+            return None
+        q = pool.quantization
+        hid, topk, lead = x.shape[-1], slots.shape[-1], tuple(x.shape[:-1])
+        inter = pool.arrays["gate_proj.weight"].shape[1]
+        glu = _prepare(
+            "glu",
+            x.dtype,
+            pool.arrays,
+            lead,
+            topk,
+            q.bits,
+            q.group_size,
+            self.dialect,
+            None,
+            hid,
+            inter,
+        )
+        down = _prepare(
+            "down",
+            x.dtype,
+            pool.arrays,
+            lead,
+            topk,
+            q.bits,
+            q.group_size,
+            self.dialect,
+            None,
+            inter,
+            hid,
+        )
+        return glu, down

@@ -1,0 +1,66 @@
+"""The plain-ops backend: what mlx-lm's ``SwitchGLU`` / ``SwitchMLP`` compute, given resident
+expert weights (a slot pool) and slot indices, with the same ``mx.gather_qmm`` calls stock mlx-lm
+makes. It runs everywhere and is bit-identical to stock mlx-lm on the CPU backend.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.switch_layers import SwiGLU, _gather_sort, _scatter_unsort
+
+from ..cache.pool import ExpertPool
+
+SORT_THRESHOLD = 64  # SwitchGLU sorts tokens by expert at this many (token, expert) pairs
+
+
+def _project(x, pool: ExpertPool, proj: str, idx, sorted_indices: bool):
+    """One ``QuantizedSwitchLinear`` / ``SwitchLinear`` call, with the pool as its weights."""
+    a, q = pool.arrays, pool.quant(proj)
+    if q is not None:
+        y = mx.gather_qmm(
+            x,
+            a[f"{proj}.weight"],
+            a[f"{proj}.scales"],
+            a.get(f"{proj}.biases"),
+            rhs_indices=idx,
+            transpose=True,
+            group_size=q.group_size,
+            bits=q.bits,
+            mode=q.mode,
+            sorted_indices=sorted_indices,
+        )
+    else:
+        y = mx.gather_mm(
+            x, a[f"{proj}.weight"].swapaxes(-1, -2), rhs_indices=idx, sorted_indices=sorted_indices
+        )
+    if f"{proj}.bias" in a:
+        y = y + mx.expand_dims(a[f"{proj}.bias"][idx], -2)
+    return y
+
+
+class OpsBackend:
+    """Mirrors ``SwitchGLU.__call__`` / ``SwitchMLP.__call__`` call for call."""
+
+    name = "ops"
+
+    def __call__(self, x: mx.array, slots: mx.array, pool: ExpertPool, activation) -> mx.array:
+        x = mx.expand_dims(x, (-2, -3))
+        do_sort = slots.size >= SORT_THRESHOLD
+        idx, inv_order = slots, None
+        if do_sort:
+            x, idx, inv_order = _gather_sort(x, slots)
+        if pool.is_glu:
+            x_up = _project(x, pool, "up_proj", idx, do_sort)
+            x_gate = _project(x, pool, "gate_proj", idx, do_sort)
+            x = _project(activation(x_up, x_gate), pool, "down_proj", idx, do_sort)
+        else:
+            x = _project(
+                activation(_project(x, pool, "fc1", idx, do_sort)), pool, "fc2", idx, do_sort
+            )
+        if do_sort:
+            x = _scatter_unsort(x, inv_order, slots.shape)
+        return x.squeeze(-2)
+
+
+def is_plain_swiglu(activation) -> bool:
+    return type(activation) is SwiGLU

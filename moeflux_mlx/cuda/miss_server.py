@@ -1,0 +1,323 @@
+"""The miss server: a helper process that answers the device-side table's requests.
+
+Why a process and not a thread: while the GPU waits for a missed expert, the model's own thread
+may be blocked inside MLX (``mx.async_eval`` waiting on the GPU, ``mx.clear_cache``) holding
+Python's GIL, and a Python thread of that process could not run to answer: the GPU then waited
+until its timeout (benchmarks/probes/table_stall_probe.py saw no poll at all for the whole wait). This
+process has its own interpreter and never imports MLX.
+
+It maps the control block and the staging buffers (shared memory, see control_block.py), opens
+the expert files itself, owns the LRU of every table layer, and loops: answer host requests
+(admit or release experts for the model process's synced calls), answer GPU requests (read the
+missing experts into the staging, pick victims, update the table and the copy list), release
+experts whose read failed once the GPU is past them, and, with prefetch, start reading the
+absent experts of each hint (the GPU's prediction of a layer's next routing) into buffers of its
+own, which that layer's next request takes instead of reading them again (set-based: order does
+not matter; predictions the router did not pick are dropped). It exits when told to stop or
+when the model process goes away (its socket closes).
+
+Started by ``miss_client.MissServer``: ``python -m moeflux_mlx.cuda.miss_server`` with a JSON
+spec on stdin.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Dict, List, Tuple
+
+import numpy as np
+
+from ..cache.policy import LRUPolicy
+from ..errors import DeviceWaitError
+from ..io.store import store_from_spec
+from .control_block import (
+    G_ERRORS,
+    G_PENDING_RELEASE,
+    G_READY,
+    G_STOP,
+    H_ERR,
+    H_HINT_N,
+    H_HOST_KIND,
+    H_HOST_N,
+    H_HOST_NMISS,
+    H_HOST_TICKS,
+    H_NCOPY,
+    H_NREQ,
+    HOST_ADMIT,
+    HOST_RELEASE,
+    S_BYTES,
+    S_IO_NS,
+    S_MISSED,
+    S_PF_HITS,
+    S_PF_ISSUED,
+    S_READ,
+    ControlBlock,
+)
+from .shared_memory import SharedMapping
+
+IDLE_WAIT_S = 1e-3  # between polls while no table call is in flight
+STALL_S = 1.0  # in flight this long without progress: treated as idle (a graph never evaluated)
+# The poll interval while table calls are in flight (``LoadOptions.server_poll_us``). A miss
+# costs milliseconds of reading, so a few tens of microseconds of latency are cheap, and a
+# spinning poller may share a physical core with the model process's Python thread, which builds
+# the next token's graph. 0: spin (yield only). With no request for a while (every expert
+# resident, so no misses) the interval grows by POLL_GROWTH per empty poll up to a cap
+# (``server_poll_max_us``): a busy poller cost the table model up to 22% of its host time per
+# token on an H100 VM, and a slow one nothing. A request resets it, so a miss waits at most
+# ~(POLL_GROWTH - 1) x the time since the previous request, or the first interval.
+POLL_GROWTH = 1.25
+READ_AHEAD_THREADS = 4  # whole-expert reads ahead, beside the store's demand reads
+
+
+def next_poll_interval(interval: float, cap: float) -> float:
+    """The interval after an empty poll: grown, but no longer than ``cap``."""
+    return min(interval * POLL_GROWTH, cap)
+
+
+class Server:
+    def __init__(self, spec: dict):
+        self.control = ControlBlock(
+            {int(k): v for k, v in spec["layers"].items()}, fd=spec["control_fd"]
+        )
+        self.store = store_from_spec(spec["store"])
+        self.sock = socket.socket(fileno=spec["socket_fd"])
+        self.sock.setblocking(False)
+        self.poll_s = float(spec["poll_us"]) * 1e-6
+        self.max_poll_s = max(self.poll_s, float(spec["poll_max_us"]) * 1e-6)
+        self.lrus = {
+            layer: LRUPolicy(t.num_experts, t.n_slots, t.slot_of, t.last_used)
+            for layer, t in self.control.layers.items()
+        }
+        self.staging: Dict[int, np.ndarray] = {}  # blob size -> [rows, blob size]
+        self._mappings: List[SharedMapping] = []
+        self.releases: List[Tuple[int, int, np.ndarray]] = []  # (index, GPU call, experts)
+        self.alive = True
+        self.prefetcher = (
+            ThreadPoolExecutor(READ_AHEAD_THREADS, thread_name_prefix="prefetch")
+            if spec.get("read_ahead")
+            else None
+        )
+        self.hints_seen = self.control.hints.copy()
+        self.prefetched: Dict[int, Dict[int, Future]] = {}  # table index -> expert -> its read
+
+    # -- messages from the model process: staging buffers, wake-ups; EOF when it is gone ----
+
+    def _receive(self, block: bool) -> None:
+        self.sock.setblocking(block)
+        try:
+            while True:
+                msg, fds, _, _ = socket.recv_fds(self.sock, 4096, 4)
+                if not msg:
+                    self.alive = False
+                    return
+                if msg.startswith(b"{"):  # a staging buffer (anything else only wakes us)
+                    d = json.loads(msg)
+                    m = SharedMapping(d["nbytes"], fd=fds[0])
+                    self._mappings.append(m)
+                    self.staging[d["blob_size"]] = m.array.reshape(-1, d["blob_size"])
+                if block:
+                    return
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            self.alive = False
+        finally:
+            self.sock.setblocking(False)
+
+    def _staging(self, blob_size: int) -> np.ndarray:
+        while blob_size not in self.staging:  # sent before the GPU call that needs it
+            if not self.alive:
+                raise DeviceWaitError(
+                    f"no staging buffer for {blob_size}-byte experts (the model process went away)"
+                )
+            self._receive(block=True)
+        return self.staging[blob_size]
+
+    # -- requests --------------------------------------------------------------------------
+
+    def _layer(self, i: int):
+        layer = self.control.order[i]
+        return layer, self.control.layers[layer], self.lrus[layer]
+
+    def take_hints(self) -> None:
+        """Start reading the absent experts of every new hint (prefetch)."""
+        c = self.control
+        for i in np.flatnonzero(c.hints != self.hints_seen):
+            i = int(i)
+            self.hints_seen[i] = c.hints[i]
+            layer, t, _ = self._layer(i)
+            experts = np.unique(t.hint[: min(int(t.header[H_HINT_N]), t.hint.size)])
+            experts = experts[(experts >= 0) & (experts < t.num_experts)]
+            pending = self.prefetched.setdefault(i, {})
+            keep = set(experts.tolist())
+            for e in [e for e in pending if e not in keep]:
+                pending.pop(e).cancel()  # only the latest prediction counts
+            for e in experts[t.slot_of[experts] < 0].tolist():
+                if e not in pending:
+                    pending[e] = self.prefetcher.submit(self._read_one, layer, e)
+                    t.stats[S_PF_ISSUED] += 1
+
+    def _read_one(self, layer: int, e: int) -> np.ndarray:
+        buf = np.empty(self.store.layout(layer).blob_size, np.uint8)
+        self.store.layers[layer].read_one(e, buf)
+        return buf
+
+    def _read_missing(
+        self, i: int, layer: int, missing: np.ndarray, staging: np.ndarray
+    ) -> np.ndarray:
+        """Read ``missing`` into the staging's first rows, the prefetched ones from their
+        buffers; returns the order the rows hold them in (read first, prefetched after)."""
+        pending = self.prefetched.pop(i, {})
+        bufs = {}
+        for e in missing.tolist():
+            f = pending.pop(e, None)
+            if f is not None:
+                try:
+                    bufs[e] = f.result()
+                except Exception:  # noqa: BLE001 - a prefetch is a hint: read it again below
+                    pass
+        for f in pending.values():  # predicted, not routed
+            f.cancel()
+        rest = np.array([e for e in missing.tolist() if e not in bufs], np.int64)
+        if rest.size:
+            self.store.read(layer, rest, staging[: rest.size])
+        for k, e in enumerate(bufs, start=rest.size):
+            staging[k] = bufs[e]
+        self.control.layers[layer].stats[S_PF_HITS] += len(bufs)
+        return np.concatenate([rest, np.array(list(bufs), np.int64)])
+
+    def answer_gpu(self, i: int) -> None:
+        c = self.control
+        layer, t, lru = self._layer(i)
+        seq = int(c.requests[i])
+        experts = np.unique(t.request[: int(t.header[H_NREQ])])
+        tick = c.clock(i) + 1  # the waiting call's tick; the GPU counts the call when done
+        missing, victims = lru.admit(experts, tick)
+        n = missing.size
+        t.header[H_ERR] = 0
+        try:
+            layout = self.store.layout(layer)
+            staging = self._staging(layout.blob_size)
+            if n > staging.shape[0]:
+                raise DeviceWaitError(
+                    f"layer {layer}: {n} missed experts in one call, the staging "
+                    f"holds {staging.shape[0]}"
+                )
+            t0 = time.perf_counter_ns()
+            if self.prefetched.get(i):
+                order = self._read_missing(i, layer, missing, staging)
+                victims = victims[np.searchsorted(missing, order)]  # missing is sorted
+                missing = order
+            else:
+                self.store.read(layer, missing, staging[:n])
+            t.stats[S_IO_NS] += time.perf_counter_ns() - t0
+            t.stats[S_READ] += n
+            t.stats[S_BYTES] += n * layout.blob_size
+            t.stats[S_MISSED] += n
+        except BaseException as e:  # noqa: BLE001 - the fill writes NaN bytes; released once the GPU is past
+            t.header[H_ERR] = 1
+            c.set_message(
+                f"{e}"
+                if str(e).startswith(("layer", "/"))
+                else f"layer {layer}: reading experts {missing.tolist()} failed: {e}"
+            )
+            c.globals[G_PENDING_RELEASE] += 1
+            c.globals[G_ERRORS] += 1
+            self.releases.append((i, int(c.ticks[i]) + 1, missing.copy()))
+        finally:
+            lru.assign(missing, victims, tick)
+            t.copy_src[:n] = np.arange(n)
+            t.copy_dst[:n] = victims
+            t.header[H_NCOPY] = n
+            c.answers[i] = seq  # last: the GPU reads everything above once it sees this
+
+    def answer_host(self, i: int) -> None:
+        c = self.control
+        _, t, lru = self._layer(i)
+        seq = int(c.host_requests[i])
+        experts = np.array(t.host_request[: int(t.header[H_HOST_N])], np.int64)
+        missing = experts[:0]
+        if t.header[H_HOST_KIND] == HOST_ADMIT:
+            tick = c.clock(i) + 1
+            missing, victims = lru.admit(np.unique(experts), tick)
+            lru.assign(missing, victims, tick)
+            t.header[H_HOST_TICKS] += 1
+            t.host_missing[: missing.size] = missing
+            t.host_victims[: missing.size] = victims
+        elif t.header[H_HOST_KIND] == HOST_RELEASE:
+            lru.release(experts)
+        t.header[H_HOST_NMISS] = missing.size
+        c.host_answers[i] = seq
+
+    def release_done(self) -> None:
+        """Free the slots of failed reads once the GPU has finished the call that got them."""
+        keep = []
+        for i, call, experts in self.releases:
+            if int(self.control.ticks[i]) >= call:
+                self.lrus[self.control.order[i]].release(experts)
+                self.control.globals[G_PENDING_RELEASE] -= 1
+            else:
+                keep.append((i, call, experts))
+        self.releases = keep
+
+    def run(self) -> None:
+        c = self.control
+        c.globals[G_READY] = 1
+        last_ticks, last_change = c.ticks.copy(), time.monotonic()
+        poll_s = self.poll_s
+        while self.alive and not c.globals[G_STOP]:
+            worked = False
+            if self.prefetcher is not None and (c.hints != self.hints_seen).any():
+                self.take_hints()
+                worked = True
+            for i in c.host_pending():
+                self.answer_host(int(i))
+                worked = True
+            for i in c.pending():
+                self.answer_gpu(int(i))
+                worked = True
+            if self.releases:
+                self.release_done()
+            if worked:
+                poll_s = self.poll_s
+                continue
+            if (c.ticks != last_ticks).any():
+                last_ticks, last_change = c.ticks.copy(), time.monotonic()
+            if (c.in_flight() or self.releases) and time.monotonic() - last_change < STALL_S:
+                time.sleep(poll_s)  # the GPU may ask any moment
+                poll_s = next_poll_interval(poll_s, self.max_poll_s)
+            else:
+                poll_s = self.poll_s
+                r, _, _ = select.select([self.sock], [], [], IDLE_WAIT_S)
+                if r:
+                    self._receive(block=False)
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.shutdown(wait=True, cancel_futures=True)
+        self.store.close()
+        for m in self._mappings:
+            m.close()
+        self.control.close()
+
+
+def main() -> int:
+    try:
+        server = Server(json.loads(sys.stdin.read()))
+        try:
+            server.run()
+        finally:
+            server.close()
+    except Exception as e:  # noqa: BLE001 - one line for the model process's message (its "last words")
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

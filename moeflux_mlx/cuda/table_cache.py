@@ -1,0 +1,223 @@
+"""``TableCache``: a ``BudgetCache`` whose decode lookups run on the GPU (CUDA).
+
+Decode calls (one token) on partially cached layers look their slots up on the GPU
+(``table_kernels.resolve``), and only the GPU waits, only on misses, for the miss server process,
+which owns those layers' eviction policy (``miss_client``, ``miss_server``). Their synced calls
+(prefill) ask the server to admit experts into the same table and write the bytes themselves,
+in place. Fully cached layers stay as in ``BudgetCache`` (slot == expert id), unless
+``every_layer`` (benchmarks: the cost of the lookup itself).
+
+Who writes what: the table (expert -> slot) and the policy's bookkeeping belong to the miss
+server; this process writes pool bytes only from synced calls, after waiting for every table call
+already submitted (``synchronize``), in place, since built-but-unsubmitted calls pick their slots
+when they run (write_cuda.cuh).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from ..cache.budget import BudgetCache
+from ..cache.pool import DeviceStaging, ExpertPool, SlotPool
+from ..format.layout import ModelLayout
+from ..io.prefetch import Prefetcher
+from ..io.store import ExpertStore
+from ..options import LoadOptions
+from ..stats import LayerStats, Stats
+from . import table_kernels
+from .control_block import HOST_ADMIT, HOST_RELEASE, ControlBlock, TableLayer
+from .miss_client import MissServer
+from .runtime import PinnedBuffer
+
+
+def table_layers(layout: ModelLayout, n_slots: dict, every_layer: bool = False) -> dict:
+    """layer -> (num_experts, n_slots) of the layers the table serves: those partially cached
+    (and, with ``every_layer``, the fully cached ones too)."""
+    out = {}
+    for i, n in n_slots.items():
+        e = layout.layers[i].num_experts
+        if 0 < n < e or (every_layer and n == e):
+            out[i] = (e, n)
+    return out
+
+
+class TableCache(BudgetCache):
+    """Slots under a byte budget; decode lookups of partially cached layers on the GPU."""
+
+    name = "table"
+
+    def __init__(
+        self,
+        store: ExpertStore,
+        layout: ModelLayout,
+        budget_bytes: int,
+        options: LoadOptions,
+        staging: Optional[DeviceStaging] = None,
+        prefetcher: Optional[Prefetcher] = None,
+    ):
+        super().__init__(store, layout, budget_bytes, staging, prefetcher)
+        self.wait_s = options.wait_timeout_s
+        self.control = ControlBlock(
+            table_layers(layout, self.n_slots, options.table_every_layer), allocate=PinnedBuffer
+        )
+        try:  # the server opens the same expert files itself
+            self.server = MissServer(
+                self.control,
+                store,
+                options.wait_timeout_s,
+                options.server_poll_us,
+                options.server_poll_max_us,
+                read_ahead=options.prefetch,
+            )
+        except BaseException:
+            self.control.close()
+            raise
+        self._streams: List[mx.Stream] = []  # streams table calls were enqueued on
+        self._last_table_out: Optional[mx.array] = None  # see resolve's ``after``
+        self._table_call = False  # whether the last lookup went through the table
+
+    def _table(self, layer: int) -> Optional[TableLayer]:
+        return self.control.layers.get(layer)
+
+    # -- BudgetCache's hooks: the server keeps the bookkeeping of table layers ----------------
+
+    def slot_of(self, layer: int) -> Optional[np.ndarray]:
+        t = self._table(layer)
+        return t.slot_of if t is not None else super().slot_of(layer)
+
+    def _fills_whole(self, layer: int) -> bool:
+        return self._table(layer) is None and super()._fills_whole(layer)
+
+    def _keeps_policy(self, layer: int) -> bool:
+        return self._table(layer) is None
+
+    def _admit(self, layer: int, experts: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        if self._table(layer) is None:
+            return super()._admit(layer, experts)
+        # A table call already submitted but not yet run would look slots up after the
+        # admission below and read them before its writes: let it finish first. (Calls built
+        # but not submitted run after the writes, which are in place: see write_cuda.cuh.)
+        self.synchronize()
+        # a fully cached table layer (every_layer) is filled whole, like a resident layer
+        num = self.store.layout(layer).num_experts
+        admit = np.arange(num) if self.n_slots[layer] == num else experts
+        return self.server.host_request(layer, HOST_ADMIT, admit)
+
+    def _assigned(self, layer: int, missing: np.ndarray, victims: np.ndarray) -> None:
+        if self._table(layer) is None:
+            super()._assigned(layer, missing, victims)
+
+    def _release(self, layer: int, missing: np.ndarray) -> None:
+        if self._table(layer) is not None:
+            self.server.host_request(layer, HOST_RELEASE, missing)
+
+    def _write(
+        self, layer: int, pool: SlotPool, slots: np.ndarray, blobs: np.ndarray, stats: LayerStats
+    ) -> None:
+        if self._table(layer) is None or not pool.device_writes:  # host writes land at once
+            return super()._write(layer, pool, slots, blobs, stats)
+        # enqueued now; the next layer's sync orders it before the staging's reuse
+        t0 = time.perf_counter()
+        mx.async_eval(
+            table_kernels.write_in_place(
+                pool.staged(blobs), slots, pool.raw, pool.layout, self.wait_s
+            )
+        )
+        stats.upload_s += time.perf_counter() - t0
+
+    # -- the protocol ------------------------------------------------------------------------
+
+    def lookup(
+        self, layer: int, x: mx.array, indices: mx.array, stats: LayerStats
+    ) -> Tuple[mx.array, ExpertPool]:
+        if not self._serves(layer, indices):
+            self._table_call = False
+            return super().lookup(layer, x, indices, stats)
+        if self.server.read_ahead and self.predictor is not None:
+            ahead = self.predictor(layer, x, indices.shape[-1])
+            if ahead is not None and self._table(ahead[0]) is not None:  # the server reads ahead
+                indices = self._hint(ahead[0], indices, ahead[1])
+        slots, pool = self._resolve(layer, indices)
+        self._table_call = True
+        stats.calls += 1
+        stats.unsynced_calls += 1
+        stats.tokens += 1
+        stats.experts_routed += indices.shape[-1]
+        return slots, pool
+
+    def computed(self, out: mx.array) -> None:
+        if self._table_call:  # the next table call's lookup runs after it (resolve's ``after``)
+            self._last_table_out = out
+        else:
+            super().computed(out)
+
+    def _serves(self, layer: int, indices: mx.array) -> bool:
+        """Decode calls (one token) of table layers."""
+        if self._table(layer) is None:
+            return False
+        return indices.size == indices.shape[-1] and table_kernels.fits(
+            indices.size, self.n_slots[layer]
+        )
+
+    def _staging_for(self, layer: int, top_k: int) -> PinnedBuffer:
+        return self.server.staging_for(
+            self.store.layout(layer).blob_size, table_kernels.staging_rows(top_k)
+        )
+
+    def _hint(self, layer: int, indices: mx.array, predicted: mx.array) -> mx.array:
+        """``indices`` passed on (lazy) once the GPU has published ``predicted``, the experts
+        table layer ``layer`` (the next one) is predicted to route to, for the server to read."""
+        return table_kernels.hint(
+            self.control,
+            self._staging_for(layer, indices.shape[-1]),
+            layer,
+            indices,
+            predicted,
+            self.wait_s,
+        )
+
+    def _resolve(self, layer: int, indices: mx.array) -> Tuple[mx.array, ExpertPool]:
+        """Lazy slots of one token's experts; the GPU waits for the miss server on misses."""
+        pool = self._pool(layer)
+        stream = mx.default_stream(mx.default_device())
+        if stream not in self._streams:
+            self._streams.append(stream)
+        slots = table_kernels.resolve(
+            self.control,
+            self._staging_for(layer, indices.shape[-1]),
+            layer,
+            indices,
+            pool.raw,
+            pool.layout,
+            self.wait_s,
+            after=self._last_table_out,
+        )
+        self.server.enqueued(layer)
+        return slots, pool.pool
+
+    def check(self) -> None:
+        """Raise what the miss server or the GPU ran into since the last call."""
+        self.server.check()
+
+    def synchronize(self) -> None:
+        """Wait for every enqueued table call, on whichever stream it was enqueued."""
+        for stream in self._streams:
+            mx.synchronize(stream)
+        mx.synchronize()
+
+    def settle(self, stats: Stats) -> None:
+        """Wait for enqueued work, then count the misses the server read for it in ``stats``."""
+        self.synchronize()
+        self.server.fold_stats(stats.layer)
+
+    def close(self) -> None:
+        self._last_table_out = None
+        try:
+            self.synchronize()  # a GPU wait still enqueued is answered before the server stops
+        finally:
+            self.server.close()
+            super().close()

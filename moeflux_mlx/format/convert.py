@@ -1,0 +1,383 @@
+"""Convert an mlx-lm checkpoint directory into a streaming directory:
+
+    DST/packed_experts/layer_NN.bin   expert e of layer NN at byte e * blob_size
+    DST/packed_experts/layout.json    the ExpertLayout of every MoE layer
+    DST/model*.safetensors            every non-expert tensor, byte for byte
+    DST/config.json                   the source config plus a "moeflux" section
+    DST/<tokenizer and other files>
+
+Only byte ranges found in the safetensors headers are read, in chunks, so peak memory stays
+bounded whatever the model size. Everything is written into ``DST.partial`` (files under
+temporary names, renamed when complete) and ``DST.partial`` becomes ``DST`` in one rename at the
+end; a rerun after an interruption resumes from the files already completed there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+from tqdm import tqdm
+
+from ..errors import CheckpointError, ConvertError, ExpertFileError, ExpertReadError, MoefluxError
+from .checkpoint import (
+    LAYOUT_FILE,
+    MOEFLUX_CONFIG_KEY,
+    PACKED_DIR,
+    CheckpointExperts,
+    is_packed,
+    packed_file,
+    packed_layout,
+    scan_checkpoint,
+)
+from .layout import FORMAT_VERSION, ExpertLayout
+from .readers import PackedLayer, SafetensorsLayer, read_exact
+from .safetensors import TensorRange, index_directory
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 64 * 1024 * 1024  # the most bytes held in memory at once while copying
+SHARD_BYTES = 5 * 1024**3  # like mlx-lm's MAX_FILE_SIZE_GB
+SKIP_FILES = {"config.json", "model.safetensors.index.json"}
+STATE_FILE = ".moeflux-convert.json"
+
+
+def convert(src, dst, *, verify: bool = False, progress: bool = True) -> Path:
+    """Convert the mlx-lm checkpoint ``src`` into a streaming directory ``dst``.
+
+    ``src`` is only read. ``dst`` appears in one rename once everything is written (and verified,
+    with ``verify=True``), so it never exists half-written. A failed or killed conversion leaves
+    ``dst.partial``; a rerun with the same, unchanged source resumes there (files completed before
+    the interruption are kept), otherwise it starts afresh. An existing ``dst`` is never touched.
+
+    Args:
+        src: an mlx-lm MoE checkpoint directory (experts stacked, as mlx-lm saves them).
+        dst: the directory to write: dense safetensors, ``packed_experts/layer_NN.bin`` (one
+            contiguous blob per expert) and ``packed_experts/layout.json``.
+        verify: re-read everything written and compare it with ``src`` byte for byte.
+        progress: show a progress bar.
+
+    Returns:
+        ``dst``.
+
+    Raises:
+        CheckpointError: ``src`` is not a usable MoE checkpoint.
+        ConvertError: ``dst`` exists (the message says whether it is a finished conversion of
+            this source), writing failed (disk full, read-only) or the result does not verify.
+    """
+    src, dst = Path(src), Path(dst)
+    if is_packed(src):
+        raise CheckpointError(f"{src}: already a converted moeflux directory")
+    ckpt = scan_checkpoint(src)  # every header checked before anything is written
+    state = _fingerprint(ckpt)
+    if dst.exists() or dst.is_symlink():
+        done = (
+            " (a finished conversion of this source: nothing to do)"
+            if _finished_from(dst, state)
+            else ""
+        )
+        raise ConvertError(f"{dst}: already exists{done}; remove it or choose another destination")
+    work = dst.with_name(dst.name + ".partial")
+    try:
+        _prepare_workdir(work, state)
+        total = sum(r.nbytes for r in ckpt.dense.values()) + ckpt.layout.total_expert_bytes
+        with tqdm(
+            total=total, unit="B", unit_scale=True, desc="convert", disable=not progress
+        ) as bar:
+            _write_dense(ckpt, work, bar)
+            (work / PACKED_DIR).mkdir(exist_ok=True)
+            for layer, layout in sorted(ckpt.layout.layers.items()):
+                _write_layer(ckpt, layer, layout, packed_file(work, layer), bar)
+        _atomic_write_text(
+            work / PACKED_DIR / LAYOUT_FILE, json.dumps(ckpt.layout.to_dict(), indent=1)
+        )
+        _copy_side_files(src, work)
+        config = dict(ckpt.config)
+        config[MOEFLUX_CONFIG_KEY] = {
+            "format_version": FORMAT_VERSION,
+            "layout": f"{PACKED_DIR}/{LAYOUT_FILE}",
+            "moe_layers": sorted(ckpt.layout.layers),
+            "total_expert_bytes": ckpt.layout.total_expert_bytes,
+            "source": state,
+        }
+        _atomic_write_text(work / "config.json", json.dumps(config, indent=4))
+        for tmp in list(work.glob("*.tmp")) + list((work / PACKED_DIR).glob("*.tmp")):
+            if tmp.with_name(tmp.name[: -len(".tmp")]).exists():
+                tmp.unlink()  # left by an interrupted earlier run, completed since
+        if verify:
+            try:
+                verify_conversion(src, work, progress=progress)
+            except ConvertError:
+                shutil.rmtree(work, ignore_errors=True)  # wrong bytes: nothing worth resuming
+                raise
+        (work / STATE_FILE).unlink()  # a rerun still recognizes the work dir by its config.json
+        _fsync_tree(work)
+        os.rename(work, dst)
+        _fsync_dir(dst.parent)
+    except (ExpertReadError, ExpertFileError) as e:  # the source failed to read mid-way
+        raise type(e)(
+            f"{e}; {dst} was not created, the completed part is kept in {work} and a "
+            "rerun resumes there"
+        ) from e
+    except MoefluxError:
+        raise
+    except OSError as e:  # disk full, permission denied on DST, ...
+        raise ConvertError(
+            f"{dst}: conversion failed: {e}; {dst} was not created, the completed "
+            f"part is kept in {work} and a rerun resumes there"
+        ) from e
+    log.info(
+        "converted %s -> %s (%d MoE layers, %.2f GB of experts)",
+        src,
+        dst,
+        len(ckpt.layout.layers),
+        ckpt.layout.total_expert_bytes / 1e9,
+    )
+    return dst
+
+
+def _fingerprint(ckpt: CheckpointExperts) -> dict:
+    files = sorted(
+        {r.file for r in ckpt.dense.values()}
+        | {r.file for comps in ckpt.ranges.values() for r in comps.values()}
+    )
+    stats = {f.name: f.stat() for f in files}
+    return {
+        "format_version": FORMAT_VERSION,
+        "source": str(ckpt.path.resolve()),
+        "files": {n: [st.st_size, st.st_mtime_ns] for n, st in stats.items()},
+    }
+
+
+def _finished_from(dst: Path, state: dict) -> bool:
+    """``dst`` is a finished conversion of the source ``state`` describes."""
+    try:
+        config = json.loads((dst / "config.json").read_text())
+        return is_packed(dst) and config[MOEFLUX_CONFIG_KEY]["source"] == state
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _prepare_workdir(work: Path, state: dict) -> None:
+    """Resume in ``work`` if it was left by a conversion of the same source, else start afresh."""
+    try:
+        if json.loads((work / STATE_FILE).read_text()) == state:
+            log.info("resuming the interrupted conversion in %s", work)
+            return
+    except (OSError, ValueError):
+        pass
+    if _finished_from(work, state):  # killed between the last write and the rename
+        _atomic_write_text(work / STATE_FILE, json.dumps(state))
+        return
+    if work.exists() or work.is_symlink():
+        if work.is_dir() and not work.is_symlink():
+            shutil.rmtree(work)
+        else:
+            work.unlink()
+    work.mkdir(parents=True)
+    _atomic_write_text(work / STATE_FILE, json.dumps(state))
+
+
+def _shards(dense: Dict[str, TensorRange]) -> List[List[str]]:
+    shards, size = [[]], 0
+    for name in sorted(dense):
+        if shards[-1] and size + dense[name].nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += dense[name].nbytes
+    return shards
+
+
+def _write_dense(ckpt: CheckpointExperts, work: Path, bar) -> None:
+    shards = _shards(ckpt.dense)
+    fmt = "model-{:05d}-of-{:05d}.safetensors" if len(shards) > 1 else "model.safetensors"
+    weight_map = {}
+    for i, names in enumerate(shards):
+        out = work / fmt.format(i + 1, len(shards))
+        weight_map.update({n: out.name for n in names})
+        if out.exists():  # completed by an interrupted run of the same source
+            bar.update(sum(ckpt.dense[n].nbytes for n in names))
+            continue
+        _write_safetensors(out, {n: ckpt.dense[n] for n in names}, bar)
+    index = {
+        "metadata": {"total_size": sum(r.nbytes for r in ckpt.dense.values())},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    _atomic_write_text(work / "model.safetensors.index.json", json.dumps(index, indent=4))
+
+
+def _write_safetensors(out: Path, tensors: Dict[str, TensorRange], bar) -> None:
+    """Write a safetensors file by copying each tensor's bytes in bounded chunks."""
+    header, offset = {"__metadata__": {"format": "mlx"}}, 0
+    for name, r in tensors.items():
+        header[name] = {
+            "dtype": r.dtype,
+            "shape": list(r.shape),
+            "data_offsets": [offset, offset + r.nbytes],
+        }
+        offset += r.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        buf = bytearray(min(CHUNK_BYTES, max((r.nbytes for r in tensors.values()), default=1)))
+        for name, r in tensors.items():
+            with open(r.file, "rb", buffering=0) as src:
+                for start in range(0, r.nbytes, len(buf)):
+                    n = min(len(buf), r.nbytes - start)
+                    view = memoryview(buf)[:n]
+                    read_exact(src.fileno(), r.start + start, view, f"{r.file} (tensor {name})")
+                    f.write(view)
+                    bar.update(n)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+
+
+def _write_layer(ckpt: CheckpointExperts, layer: int, layout: ExpertLayout, out: Path, bar) -> None:
+    if out.exists() and out.stat().st_size == layout.layer_bytes:
+        bar.update(layout.layer_bytes)
+        return
+    ranges = ckpt.ranges[layer]
+    per_chunk = max(1, CHUNK_BYTES // layout.blob_size)
+    blobs = np.zeros((per_chunk, layout.blob_size), np.uint8)  # zeros: alignment padding stays 0
+    fds = {}
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        for r in ranges.values():
+            fds.setdefault(r.file, os.open(r.file, os.O_RDONLY))
+        with open(tmp, "wb") as f:
+            for e0 in range(0, layout.num_experts, per_chunk):
+                n = min(per_chunk, layout.num_experts - e0)
+                for c in layout.components:
+                    r = ranges[c.name]
+                    # experts e0..e0+n of a stacked tensor are one contiguous range
+                    part = np.empty((n, c.nbytes), np.uint8)
+                    read_exact(
+                        fds[r.file],
+                        r.start + e0 * c.nbytes,
+                        memoryview(part).cast("B"),
+                        f"{r.file} (layer {layer}, {c.name})",
+                    )
+                    blobs[:n, c.offset : c.offset + c.nbytes] = part
+                f.write(memoryview(blobs[:n]).cast("B"))
+                bar.update(n * layout.blob_size)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _copy_side_files(src: Path, work: Path) -> None:
+    """Tokenizer, generation config, chat template, custom model code: all but weights."""
+    for f in src.iterdir():
+        if f.is_file() and f.name not in SKIP_FILES and not f.name.endswith(".safetensors"):
+            shutil.copy2(f, work / f.name)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_tree(work: Path) -> None:
+    for d in (work / PACKED_DIR, work):
+        if d.is_dir():
+            _fsync_dir(d)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def verify_conversion(src, dst, *, progress: bool = True) -> None:
+    """Re-read every expert of ``dst`` and compare it byte for byte with ``src``.
+
+    Dense tensors are compared too (by SHA-256 of their bytes).
+
+    Args:
+        src: the mlx-lm checkpoint that was converted.
+        dst: the converted directory.
+        progress: show a progress bar.
+
+    Raises:
+        ConvertError: a layout, tensor or expert differs from the source's.
+        ExpertFileError: a packed layer file is missing.
+    """
+    src, dst = Path(src), Path(dst)
+    ckpt = scan_checkpoint(src)
+    layout = packed_layout(dst)
+    if layout.to_dict() != ckpt.layout.to_dict():
+        raise ConvertError(f"{dst}: layout does not match the source {src}")
+    dense_dst = index_directory(dst)
+    if sorted(dense_dst) != sorted(ckpt.dense):
+        raise ConvertError(f"{dst}: dense tensors differ from the source's")
+    total = layout.total_expert_bytes + sum(r.nbytes for r in ckpt.dense.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=not progress) as bar:
+        for name, r in ckpt.dense.items():
+            a, b = _digest(r), _digest(dense_dst[name])
+            if a != b:
+                raise ConvertError(f"{dst}: tensor {name} differs from the source")
+            bar.update(r.nbytes)
+        for layer, lay in sorted(layout.layers.items()):
+            path = packed_file(dst, layer)
+            try:
+                size = path.stat().st_size
+            except OSError as e:
+                raise ExpertFileError(f"{path}: {e.strerror} (layer {layer})") from e
+            if size != lay.layer_bytes:
+                raise ConvertError(f"{path}: {size} bytes, expected {lay.layer_bytes}")
+            want = SafetensorsLayer(layer, lay, ckpt.ranges[layer])
+            got = PackedLayer(layer, lay, path)
+            try:
+                step = max(1, CHUNK_BYTES // lay.blob_size)
+                for e0 in range(0, lay.num_experts, step):
+                    experts = np.arange(e0, min(e0 + step, lay.num_experts))
+                    a = np.empty((len(experts), lay.blob_size), np.uint8)
+                    b = np.empty_like(a)
+                    want.read_pread(experts, a)
+                    got.read_pread(experts, b)
+                    for c in lay.components:  # padding is not compared: the source has none
+                        sl = slice(c.offset, c.offset + c.nbytes)
+                        bad = np.flatnonzero((a[:, sl] != b[:, sl]).any(axis=1))
+                        if bad.size:
+                            raise ConvertError(
+                                f"{path}: expert {int(experts[bad[0]])} ({c.name}) "
+                                f"differs from the source"
+                            )
+                    bar.update(len(experts) * lay.blob_size)
+            finally:
+                want.close()
+                got.close()
+    log.info("verified %s against %s", dst, src)
+
+
+def _digest(r: TensorRange) -> bytes:
+    h = hashlib.sha256()
+    buf = bytearray(min(CHUNK_BYTES, max(r.nbytes, 1)))
+    with open(r.file, "rb", buffering=0) as f:
+        for start in range(0, r.nbytes, len(buf)):
+            n = min(len(buf), r.nbytes - start)
+            view = memoryview(buf)[:n]
+            read_exact(f.fileno(), r.start + start, view, str(r.file))
+            h.update(view)
+    return h.digest()

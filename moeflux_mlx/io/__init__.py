@@ -1,0 +1,2 @@
+"""Reading experts from disk into host memory: the store (``store``: pread thread pool or mmap,
+chosen by the RAM gate) and background reads of predicted experts (``prefetch``)."""

@@ -1,0 +1,293 @@
+"""The expert store: reads the blobs of routed experts from disk into host memory.
+
+The sources of each layer's bytes are ``format.readers``' ``PackedLayer`` / ``SafetensorsLayer``.
+Two I/O modes read them: ``pread`` into reusable staging buffers, split into pieces over a thread
+pool (the GIL is released while the kernel copies), or copies out of an ``mmap`` of the same
+files; the RAM gate (``select_expert_io``) chooses between them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Callable, Dict, Optional, Tuple
+
+import numpy as np
+import psutil
+
+from ..errors import ExpertIndexError, LayoutError, ModelClosedError
+from ..format import readers
+from ..format.checkpoint import check_packed, is_packed, packed_file, scan_checkpoint
+from ..format.layout import ExpertLayout, ModelLayout
+from ..format.readers import LayerSource, PackedLayer, SafetensorsLayer, advise_random_reads
+from ..format.safetensors import TensorRange
+from ..options import IO_MODES, from_environment
+
+log = logging.getLogger(__name__)
+
+RAM_FRACTION = 0.75
+STAGING_KEEP_BYTES = 256 << 20  # larger reads (prefill) get a buffer of their own, not kept
+# Reads are split into pieces of at most this size across the read threads: one expert read
+# as a single pread is latency-bound on a cold disk (a VM disk at 1.6 GB/s with 8 threads
+# delivered about 1 GB/s to single 2.6 MB reads).
+READ_PIECE_BYTES = 512 << 10
+_gate_logged: set = set()
+
+
+def select_expert_io(total_expert_bytes: int, requested: Optional[str] = None) -> str:
+    """The RAM gate: ``pread`` when the experts exceed 0.75 x physical RAM, else ``mmap``.
+
+    ``requested`` (the ``expert_io=`` argument) or ``MOEFLUX_EXPERT_IO`` override it."""
+    ram = psutil.virtual_memory().total
+    choice = requested or from_environment().get("expert_io") or "auto"
+    if choice not in IO_MODES:
+        log.warning(
+            "unknown expert I/O mode %r (MOEFLUX_EXPERT_IO / expert_io); using auto; "
+            "choose one of %s",
+            choice,
+            ", ".join(IO_MODES),
+        )
+        choice = "auto"
+    if choice == "auto":
+        mode = "pread" if total_expert_bytes > RAM_FRACTION * ram else "mmap"
+        why = (
+            f"experts {total_expert_bytes / 1e9:.2f} GB {'>' if mode == 'pread' else '<='} "
+            f"{RAM_FRACTION} x RAM {ram / 1e9:.2f} GB"
+        )
+    else:
+        mode, why = choice, "requested"
+    key = (total_expert_bytes, mode, why)
+    if key not in _gate_logged:
+        _gate_logged.add(key)
+        log.info("expert I/O: %s (%s)", mode, why)
+    return mode
+
+
+class ExpertStore:
+    """Reads experts of any MoE layer into host staging memory, in parallel for pread.
+
+    Faults: a failed read raises ``ExpertReadError`` from the ``read`` call that needed it (a
+    worker's exception is re-raised in the caller, after every other read of that call has
+    finished); nothing is cached from a failed call, so the next call simply reads again. An
+    interrupt (``KeyboardInterrupt``) while reads are in flight cancels the queued ones and
+    retires the staging buffer they write into, so a straggler cannot corrupt a later call."""
+
+    def __init__(self, layers: Dict[int, LayerSource], io_mode: str, threads: int = 8):
+        self.layers = layers  # layer -> PackedLayer | SafetensorsLayer
+        self.io_mode = io_mode
+        if io_mode == "pread":  # scattered reads of pieces (mmap keeps readahead: warm reuse)
+            for src in layers.values():
+                for path, fd in src.file_descriptors().items():
+                    advise_random_reads(fd, f"{path} (layer {src.layer})")
+        self.threads = threads
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._staging: Optional[np.ndarray] = None
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def _source(self, layer: int):
+        try:
+            return self.layers[layer]
+        except KeyError:
+            raise LayoutError(
+                f"layer {layer} has no routed experts in this checkpoint "
+                f"(MoE layers: {sorted(self.layers)})"
+            ) from None
+
+    def layout(self, layer: int) -> ExpertLayout:
+        return self._source(layer).layout
+
+    def check_experts(self, layer: int, experts: np.ndarray) -> None:
+        n = self._source(layer).layout.num_experts
+        experts = np.asarray(experts)
+        if experts.size and not np.issubdtype(experts.dtype, np.integer):
+            raise ExpertIndexError(
+                f"layer {layer}: expert indices must be integers, got {experts.dtype}"
+            )
+        if experts.size and (experts.min() < 0 or experts.max() >= n):
+            bad = experts[(experts < 0) | (experts >= n)]
+            raise ExpertIndexError(
+                f"layer {layer}: expert index {int(bad.flat[0])} out of range "
+                f"(the layer has {n} experts, 0..{n - 1})"
+            )
+
+    def staging(self, layer: int, n: int) -> np.ndarray:
+        """A ``[n, blob_size]`` host buffer for one read.
+
+        One buffer serves every layer: a layer's blobs are consumed (copied into MLX memory)
+        before the next layer reads. Requests over ``STAGING_KEEP_BYTES`` (a prefill routing
+        most experts) get a buffer of their own that is not kept."""
+        size = self.layout(layer).blob_size
+        nbytes = max(n, 1) * size
+        if nbytes > STAGING_KEEP_BYTES:
+            return np.empty((n, size), np.uint8)
+        if self._staging is None or self._staging.size < nbytes:
+            self._staging = np.empty(nbytes, np.uint8)
+        return self._staging[: n * size].reshape(n, size)
+
+    def read(self, layer: int, experts: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """Blobs of ``experts`` (sorted, unique) of ``layer`` as ``[n, blob_size]`` uint8."""
+        if self.closed:
+            raise ModelClosedError("the expert store is closed; load the model again")
+        self.check_experts(layer, experts)
+        src = self._source(layer)
+        staged = out is None
+        if out is None:
+            out = self.staging(layer, len(experts))
+        if self.io_mode == "mmap":
+            src.read_mmap(experts, out)
+        elif self.threads <= 1 or (len(experts) == 1 and out.shape[1] <= READ_PIECE_BYTES):
+            src.read_pread(experts, out)
+        else:
+            self._read_parallel(layer, src, experts, out, staged)
+        return out
+
+    def _read_parallel(self, layer, src, experts, out, staged) -> None:
+        pool = self._executor()
+        futures = []
+        try:
+            for i, e in enumerate(experts):
+                for fd, start, at, n, what in src.pieces(e):
+                    for off in range(0, n, READ_PIECE_BYTES):
+                        m = min(READ_PIECE_BYTES, n - off)
+                        futures.append(
+                            pool.submit(
+                                readers.read_exact,
+                                fd,
+                                start + off,
+                                memoryview(out[i, at + off : at + off + m]),
+                                what,
+                            )
+                        )
+            errors = [f.exception() for f in futures]  # waits for every read of this call
+        except BaseException:
+            # interrupted (KeyboardInterrupt, ...) while reads are in flight
+            for f in futures:
+                f.cancel()
+            if staged:
+                self._staging = None  # a straggler may still write into it: never reuse
+            try:
+                wait(futures, timeout=10)
+            except BaseException:  # noqa: BLE001 - the interruption already under way is raised below
+                pass
+            raise
+        for err in errors:
+            if err is not None:
+                raise err
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self.closed:
+                raise ModelClosedError("the expert store is closed; load the model again")
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="moeflux-read")
+            return self._pool
+
+    def spec(self) -> dict:
+        """What ``store_from_spec`` needs to open the same experts in another process."""
+        layers = {}
+        for i, src in self.layers.items():
+            d: Dict[str, object] = {"layout": src.layout.to_dict()}
+            if isinstance(src, PackedLayer):
+                d["file"] = str(src.path)
+            else:
+                d["ranges"] = {
+                    c.name: {
+                        "file": str(r.file),
+                        "dtype": r.dtype,
+                        "shape": list(r.shape),
+                        "start": r.start,
+                        "nbytes": r.nbytes,
+                    }
+                    for c, r in src.parts
+                }
+            layers[str(i)] = d
+        return {"io_mode": self.io_mode, "threads": self.threads, "layers": layers}
+
+    def close(self) -> None:
+        """Join the read threads, unmap and close every file. Idempotent."""
+        with self._lock:
+            self.closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        for src in self.layers.values():
+            src.close()
+        self._staging = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_store(
+    path: Path, io_mode: Optional[str] = None, threads: int = 8
+) -> Tuple[ExpertStore, ModelLayout]:
+    """Open the experts of a converted directory or a plain mlx-lm checkpoint.
+
+    Everything that can be checked from headers and file sizes is checked here, before any
+    weight is read (see docs/errors.md).
+
+    Args:
+        path: the model directory.
+        io_mode: ``auto`` (the RAM gate), ``mmap`` or ``pread``; None: ``MOEFLUX_EXPERT_IO`` or auto.
+        threads: parallel reads of the ``pread`` store.
+
+    Returns:
+        ``(store, model_layout)``.
+
+    Raises:
+        CheckpointError: not a usable MoE checkpoint (``LayoutError``, ``SafetensorsHeaderError``...).
+        ExpertFileError: an expert file is missing, unreadable or of the wrong size.
+    """
+    path = Path(path)
+    make: Callable[[int, ExpertLayout], LayerSource]
+    if is_packed(path):
+        model_layout = check_packed(path)
+        make = lambda i, lay: PackedLayer(i, lay, packed_file(path, i))
+    else:
+        ckpt = scan_checkpoint(path)
+        model_layout = ckpt.layout
+        make = lambda i, lay: SafetensorsLayer(i, lay, ckpt.ranges[i])
+    layers: Dict[int, LayerSource] = {}
+    try:
+        for i, lay in sorted(model_layout.layers.items()):
+            layers[i] = make(i, lay)
+    except BaseException:
+        for src in layers.values():
+            src.close()
+        raise
+    mode = select_expert_io(model_layout.total_expert_bytes, io_mode)
+    return ExpertStore(layers, mode, threads), model_layout
+
+
+def store_from_spec(spec: dict) -> ExpertStore:
+    """The store ``ExpertStore.spec()`` describes (opened again, e.g. in the miss server)."""
+    layers: Dict[int, LayerSource] = {}
+    try:
+        for k, d in spec["layers"].items():
+            i = int(k)
+            layout = ExpertLayout.from_dict(d["layout"], f"layer {i}")
+            if "file" in d:
+                layers[i] = PackedLayer(i, layout, Path(d["file"]))
+            else:
+                ranges = {
+                    name: TensorRange(
+                        Path(r["file"]),
+                        r["dtype"],
+                        tuple(r["shape"]),
+                        int(r["start"]),
+                        int(r["nbytes"]),
+                    )
+                    for name, r in d["ranges"].items()
+                }
+                layers[i] = SafetensorsLayer(i, layout, ranges)
+    except BaseException:
+        for src in layers.values():
+            src.close()
+        raise
+    return ExpertStore(layers, spec["io_mode"], int(spec["threads"]))

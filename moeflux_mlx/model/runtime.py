@@ -1,0 +1,143 @@
+"""What the streaming modules of one model share: ``StreamingRuntime`` (``model.moeflux``), and
+the factory that picks its cache (``make_cache``: the one place outside ``cuda/`` that knows the
+device-side table exists)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from ..cache.budget import BudgetCache, slots_per_layer
+from ..cache.pool import DeviceStaging
+from ..cache.protocol import ExpertCache
+from ..cache.staging import StagingCache
+from ..compute.backend import Backend, select_backend
+from ..cuda import runtime as cuda_runtime
+from ..cuda.table_cache import TableCache, table_layers
+from ..errors import ModelClosedError
+from ..format.layout import ModelLayout
+from ..io.prefetch import Prefetcher
+from ..io.store import ExpertStore
+from ..options import LoadOptions, parse_budget
+from ..stats import Stats
+
+log = logging.getLogger(__name__)
+
+
+def use_table(requested: Optional[bool]) -> bool:
+    """Whether decode should use the device-side table: ``requested`` (``LoadOptions
+    .device_table``), else wherever it can run (MLX's CUDA backend and libcudart)."""
+    available = cuda_runtime.table_available()
+    if requested and not available:
+        log.warning(
+            "device-side slot table requested, but it needs MLX's CUDA backend and "
+            "libcudart: using a host sync per layer"
+        )
+    return available if requested is None else bool(requested) and available
+
+
+def make_cache(
+    store: ExpertStore, layout: ModelLayout, options: LoadOptions, stats: Stats
+) -> ExpertCache:
+    """The cache for ``options``: none resident (budget 0, or too small for one expert per
+    layer), slots under the budget with a host sync per call, or, on CUDA, the device-side table
+    for partially cached layers.
+
+    Args:
+        store: the model's expert store.
+        layout: its expert layout.
+        options: the load options (budget, prefetch, device table, slot writes ...).
+        stats: the counters prefetches are counted in.
+
+    Returns:
+        A ``StagingCache``, ``BudgetCache`` or ``TableCache``.
+
+    Raises:
+        ValueError: the budget is not one.
+        DeviceWaitError: the device-side table's miss server did not start.
+    """
+    budget_bytes = parse_budget(options.cache_budget, layout.total_expert_bytes)
+    staging = (
+        DeviceStaging(cuda_runtime.host_array)
+        if cuda_runtime.device_slot_writes(options.slot_writes)
+        else None
+    )
+    n_slots = slots_per_layer(layout, budget_bytes)
+    capacity = sum(n * layout.layers[i].blob_size for i, n in n_slots.items())
+    table = use_table(options.device_table) and table_layers(
+        layout, n_slots, options.table_every_layer
+    )
+    prefetcher = Prefetcher(store, stats) if options.prefetch else None
+    cache: BudgetCache
+    try:
+        if capacity == 0:
+            return StagingCache(store, staging, prefetcher)
+        if table:
+            cache = TableCache(store, layout, budget_bytes, options, staging, prefetcher)
+        else:
+            cache = BudgetCache(store, layout, budget_bytes, staging, prefetcher)
+    except BaseException:
+        if prefetcher is not None:
+            prefetcher.close()
+        raise
+    log.info(
+        "expert cache: %.2f GB budget, %.2f GB in slots (%.0f%% of the experts)",
+        budget_bytes / 1e9,
+        capacity / 1e9,
+        100 * capacity / max(layout.total_expert_bytes, 1),
+    )
+    return cache
+
+
+class StreamingRuntime:
+    """What the streaming modules of one model share: store, cache, backend and counters.
+
+    Reached as ``model.moeflux``; ``close()`` (or ``with``) releases files, maps, threads and
+    the miss server."""
+
+    def __init__(self, store: ExpertStore, layout: ModelLayout, options: LoadOptions):
+        self.store, self.layout, self.options = store, layout, options
+        self._stats = Stats()
+        self.backend: Backend = select_backend(options.backend)
+        self.cache: ExpertCache = make_cache(store, layout, options, self._stats)
+        # where each forward pass checks what the miss server or the GPU ran into (once per pass:
+        # decode is host-bound, and the per-layer check cost more than the lookup)
+        self.first_layer = min(layout.layers) if layout.layers else None
+        self.closed = False
+
+    @property
+    def stats(self) -> Stats:
+        return self._stats
+
+    def stats_dict(self) -> dict:
+        """The counters (``Stats.to_dict``) and what served them: I/O mode, cache, backend."""
+        self.cache.settle(self._stats)  # what the miss server read is counted when it is asked
+        d = self._stats.to_dict()
+        d.update(
+            io_mode=self.store.io_mode,
+            cache=self.cache.name,
+            backend=self.backend.name,
+            prefetch=self.options.prefetch,
+            device_table=self.cache.name == "table",
+        )
+        return d
+
+    def reset_stats(self) -> None:
+        self.cache.settle(self._stats)  # what was read so far counts before the reset
+        self._stats.reset()
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise ModelClosedError("this moeflux model was closed; load it again")
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.cache.close()
+            self.store.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

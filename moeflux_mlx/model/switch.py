@@ -1,0 +1,38 @@
+"""The drop-in replacement for mlx-lm's ``SwitchGLU`` / ``SwitchMLP``.
+
+The router stays in mlx-lm's model code; this module receives its expert indices, asks the cache
+for their slots (``cache.protocol``: one question per call) and runs the expert computation
+(``compute``) on them."""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class StreamingSwitchGLU(nn.Module):
+    """Computes what the replaced ``SwitchGLU`` computed, with experts streamed from disk.
+
+    It holds no parameters: the expert weights are not part of the model's state. ``runtime``:
+    the model's ``StreamingRuntime`` (cache, backend, counters)."""
+
+    def __init__(self, layer: int, runtime, activation):
+        super().__init__()
+        self.layer = layer
+        self.activation = activation
+        self._runtime = runtime  # plain attribute, not a child module
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        rt = self._runtime
+        rt.check_open()
+        if self.layer == rt.first_layer:  # what the miss server or the GPU ran into since
+            rt.cache.check()  # the last forward pass
+        stats = rt.stats.layer(self.layer)
+        slots, pool = rt.cache.lookup(self.layer, x, indices, stats)
+        t0 = time.perf_counter()
+        out = rt.backend(x, slots, pool, self.activation)
+        rt.cache.computed(out)
+        stats.compute_s += time.perf_counter() - t0
+        return out

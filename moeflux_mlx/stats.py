@@ -1,0 +1,61 @@
+"""Per-layer counters of the streaming path: what was read, and where the time went."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Dict, Optional
+
+
+@dataclass
+class LayerStats:
+    calls: int = 0  # SwitchGLU calls (one per forward pass of the layer)
+    unsynced_calls: int = 0  # of those, served with every expert resident: no host sync
+    tokens: int = 0  # tokens of the synced calls
+    experts_routed: int = 0  # unique experts the router asked for, summed over synced calls
+    experts_missed: int = 0  # of those, not resident when asked
+    prefetch_issued: int = 0  # experts read ahead because the next-layer prediction named them
+    prefetch_hits: int = 0  # misses whose bytes a prefetch had already read
+    prefetch_failed: int = 0  # prefetches that failed and were read again directly
+    experts_read: int = 0  # blobs read from disk (misses, whole-layer fills, prefetches)
+    bytes_read: int = 0
+    sync_s: float = 0.0  # waiting for the router's indices (device -> host)
+    io_s: float = 0.0  # reading experts from disk into host memory
+    upload_s: float = 0.0  # host -> MLX memory, and slot updates
+    compute_s: float = 0.0  # building the expert computation (lazy; device time lands in sync_s)
+    gpu_waits: int = 0  # device-side table: decode calls whose GPU waited for the miss server
+    gpu_wait_s: float = 0.0  # the GPU's time in those waits (the server's reads included)
+
+    def add(self, other: LayerStats) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+@dataclass
+class Stats:
+    layers: Dict[int, LayerStats] = field(default_factory=dict)
+
+    def layer(self, i: int) -> LayerStats:
+        if i not in self.layers:
+            self.layers[i] = LayerStats()
+        return self.layers[i]
+
+    def total(self) -> LayerStats:
+        t = LayerStats()
+        for s in self.layers.values():
+            t.add(s)
+        return t
+
+    @property
+    def hit_rate(self) -> Optional[float]:
+        """Of the experts routed through a host sync, the share already resident; None when no
+        call synced (every layer fully resident)."""
+        t = self.total()
+        return 1.0 - t.experts_missed / t.experts_routed if t.experts_routed else None
+
+    def to_dict(self) -> dict:
+        total = asdict(self.total())
+        total["hit_rate"] = self.hit_rate
+        return {"total": total, "layers": {i: asdict(s) for i, s in sorted(self.layers.items())}}
+
+    def reset(self) -> None:
+        self.layers.clear()
