@@ -12,13 +12,13 @@ each layer's trace through a cache of C slots under each policy, for several bud
 ``opt``     Belady's offline optimum: evict the expert whose next use is farthest away (an upper
             bound no online policy reaches; it shows how much room there is above LRU)
 
-It also measures the prefetch predictors issue 7 names, through the LRU cache: the same layer's
+It also measures two prefetch predictors, through the LRU cache: the same layer's
 experts of the previous token, and the next layer's router applied to this layer's MoE input
 (what ``prefetch=True`` reads ahead), recorded beside the routing: each one's recall, the share
 of the cache's misses it would have read ahead, and the reads it would waste per token.
 
     python benchmarks/cache_policy.py [MODEL] [--tokens 256] [--budgets 0.1,0.25,0.5,0.75]
-    python benchmarks/cache_policy.py --traces results/...-cache-policy.json --half-life 8,32,128
+    python benchmarks/cache_policy.py --traces benchmarks/results/...-cache-policy.json --half-life 8,32,128
 
 Without MODEL it builds a random qwen3_moe (8 layers, 128 experts, top-8, small hidden size).
 Random weights route differently from trained ones: measure on the real model to decide.
@@ -41,8 +41,13 @@ import numpy as np  # noqa: E402
 POLICIES = ("lru", "lfu", "decay", "random", "opt")
 
 
-def replay(trace: Sequence[Sequence[int]], n_slots: int, policy: str, half_life: float = 32.0,
-           seed: int = 0):
+def replay(
+    trace: Sequence[Sequence[int]],
+    n_slots: int,
+    policy: str,
+    half_life: float = 32.0,
+    seed: int = 0,
+):
     """Replay one layer's trace (one set of experts per token) through ``n_slots`` slots; yields
     ``(need, resident)`` per token: the experts it routes to and those resident before it.
     Every routed expert must be resident for its token: a miss evicts a resident expert that
@@ -88,15 +93,22 @@ def replay(trace: Sequence[Sequence[int]], n_slots: int, policy: str, half_life:
             count[e] += 1.0
 
 
-def simulate(trace: Sequence[Sequence[int]], n_slots: int, policy: str, half_life: float = 32.0,
-             seed: int = 0) -> int:
+def simulate(
+    trace: Sequence[Sequence[int]],
+    n_slots: int,
+    policy: str,
+    half_life: float = 32.0,
+    seed: int = 0,
+) -> int:
     """Hits of one layer's trace through ``n_slots`` slots under ``policy`` (see ``replay``)."""
-    return sum(len(need & resident) for need, resident in replay(trace, n_slots, policy,
-                                                                 half_life, seed))
+    return sum(
+        len(need & resident) for need, resident in replay(trace, n_slots, policy, half_life, seed)
+    )
 
 
-def predictor_sets(trace: Sequence[Sequence[int]], gate_predicted: Optional[Sequence[Sequence[int]]]
-                   ) -> Dict[str, List[set]]:
+def predictor_sets(
+    trace: Sequence[Sequence[int]], gate_predicted: Optional[Sequence[Sequence[int]]]
+) -> Dict[str, List[set]]:
     """Per predictor, the experts it names for each token of one layer: the same layer's experts
     of the previous token, the next-layer gate (this layer's router applied to the previous MoE
     layer's input: what ``prefetch=True`` reads ahead), and both together."""
@@ -109,8 +121,9 @@ def predictor_sets(trace: Sequence[Sequence[int]], gate_predicted: Optional[Sequ
     return out
 
 
-def prefetch_coverage(trace: Sequence[Sequence[int]], predicted: Dict[str, List[set]],
-                      n_slots: int) -> dict:
+def prefetch_coverage(
+    trace: Sequence[Sequence[int]], predicted: Dict[str, List[set]], n_slots: int
+) -> dict:
     """Through an LRU cache of ``n_slots`` (what moeflux keeps; a prefetch reads into buffers of
     its own and does not change it): routed experts, misses, and per predictor the misses it
     would have read ahead (``covered``) and the absent experts it would have read for nothing
@@ -138,10 +151,11 @@ def record_traces(model_path: Path, prompts: List[List[int]], tokens: int):
     from mlx_lm.generate import generate_step
 
     import moeflux_mlx
-    from moeflux_mlx.module import StreamingSwitchGLU
-    from moeflux_mlx.prefetch import predict_experts
+    from moeflux_mlx.model.predict import next_gates, predict_experts
+    from moeflux_mlx.model.switch import StreamingSwitchGLU
 
     model, _ = moeflux_mlx.load(model_path, cache_budget="all", backend="ops")
+    gates = next_gates(model, model.moeflux.layout.module_paths)  # layer -> (next layer, router)
     traces: Dict[int, list] = defaultdict(list)
     gate_predicted: Dict[int, list] = defaultdict(list)
     recording = [False]
@@ -150,7 +164,7 @@ def record_traces(model_path: Path, prompts: List[List[int]], tokens: int):
     def call(self, x, indices):
         if recording[0] and indices.size == indices.shape[-1]:  # one decode token
             traces[self.layer].append(np.array(indices).reshape(-1).tolist())
-            ahead = self._runtime.next_gate.get(self.layer)
+            ahead = gates.get(self.layer)
             if ahead is not None:
                 predicted = predict_experts(ahead[1], x, indices.shape[-1])
                 gate_predicted[ahead[0]].append(np.array(predicted).reshape(-1).tolist())
@@ -182,34 +196,53 @@ def _slots(trace, frac: float, num_experts: int) -> int:
     return max(max(len(s) for s in trace), int(round(frac * num_experts)))
 
 
-def run(traces: Dict[int, list], num_experts: Dict[int, int], budgets: Sequence[float],
-        half_lives: Sequence[float]) -> dict:
+def run(
+    traces: Dict[int, list],
+    num_experts: Dict[int, int],
+    budgets: Sequence[float],
+    half_lives: Sequence[float],
+) -> dict:
     rows = []
     for frac in budgets:
         row = {"budget": frac}
         for name, policy, half_life in columns(half_lives):
             hits = routed = 0
             for layer, trace in traces.items():
-                hits += simulate(trace, _slots(trace, frac, num_experts[layer]), policy,
-                                 half_life or 32.0)
+                hits += simulate(
+                    trace, _slots(trace, frac, num_experts[layer]), policy, half_life or 32.0
+                )
                 routed += sum(len(s) for s in trace)
             row[name] = hits / routed
         rows.append(row)
-    return {"rows": rows, "columns": [c[0] for c in columns(half_lives)], "layers": len(traces),
-            "tokens": min(len(t) for t in traces.values()) if traces else 0}
+    return {
+        "rows": rows,
+        "columns": [c[0] for c in columns(half_lives)],
+        "layers": len(traces),
+        "tokens": min(len(t) for t in traces.values()) if traces else 0,
+    }
 
 
 def format_table(result: dict) -> str:
     cols = result["columns"]
-    lines = ["| budget | " + " | ".join(cols) + " | opt - lru |", "|---|" + "---|" * (len(cols) + 1)]
+    lines = [
+        "| budget | " + " | ".join(cols) + " | opt - lru |",
+        "|---|" + "---|" * (len(cols) + 1),
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['budget']:.0%} | " + " | ".join(f"{r[c]:.1%}" for c in cols)
-                     + f" | {r['opt'] - r['lru']:+.1%} |")
+        lines.append(
+            f"| {r['budget']:.0%} | "
+            + " | ".join(f"{r[c]:.1%}" for c in cols)
+            + f" | {r['opt'] - r['lru']:+.1%} |"
+        )
     return "\n".join(lines)
 
 
-def run_prefetch(traces: Dict[int, list], gate_predicted: Dict[int, list],
-                 num_experts: Dict[int, int], budgets: Sequence[float]) -> dict:
+def run_prefetch(
+    traces: Dict[int, list],
+    gate_predicted: Dict[int, list],
+    num_experts: Dict[int, int],
+    budgets: Sequence[float],
+) -> dict:
     """Each predictor's recall (routed experts it named) and, per budget, the share of LRU's
     misses it would have read ahead and its wasted reads per token. Over the layers that have
     a next-layer-gate prediction (every MoE layer but the first), so predictors compare."""
@@ -217,20 +250,27 @@ def run_prefetch(traces: Dict[int, list], gate_predicted: Dict[int, list],
     sets = {layer: predictor_sets(traces[layer], gate_predicted.get(layer)) for layer in layers}
     names = list(sets[layers[0]]) if layers else []
     routed = sum(len(s) for layer in layers for s in traces[layer])
-    recall = {n: sum(len(p & set(r)) for layer in layers
-                     for p, r in zip(sets[layer][n], traces[layer])) / max(routed, 1)
-              for n in names}
+    recall = {
+        n: sum(len(p & set(r)) for layer in layers for p, r in zip(sets[layer][n], traces[layer]))
+        / max(routed, 1)
+        for n in names
+    }
     rows = []
     for frac in budgets:
-        per = [prefetch_coverage(traces[layer], sets[layer],
-                                 _slots(traces[layer], frac, num_experts[layer]))
-               for layer in layers]
+        per = [
+            prefetch_coverage(
+                traces[layer], sets[layer], _slots(traces[layer], frac, num_experts[layer])
+            )
+            for layer in layers
+        ]
         misses = sum(c["misses"] for c in per)
         tokens = per[0]["tokens"] if per else 0
         row = {"budget": frac, "misses_per_token": misses / max(tokens, 1)}
         for n in names:
-            row[n] = {"covered": sum(c[n]["covered"] for c in per) / max(misses, 1),
-                      "wasted_per_token": sum(c[n]["wasted"] for c in per) / max(tokens, 1)}
+            row[n] = {
+                "covered": sum(c[n]["covered"] for c in per) / max(misses, 1),
+                "wasted_per_token": sum(c[n]["wasted"] for c in per) / max(tokens, 1),
+            }
         rows.append(row)
     return {"layers": layers, "predictors": names, "recall": recall, "rows": rows}
 
@@ -238,21 +278,29 @@ def run_prefetch(traces: Dict[int, list], gate_predicted: Dict[int, list],
 def format_prefetch(result: dict) -> str:
     names = result["predictors"]
     recall = ", ".join(f"{n} {result['recall'][n]:.1%}" for n in names)
-    lines = [f"Recall (routed experts the predictor named): {recall}.", "",
-             "| budget | misses/tok | " + " | ".join(f"{n}: misses covered | {n}: wasted reads/tok"
-                                                    for n in names) + " |",
-             "|---|---|" + "---|---|" * len(names)]
+    lines = [
+        f"Recall (routed experts the predictor named): {recall}.",
+        "",
+        "| budget | misses/tok | "
+        + " | ".join(f"{n}: misses covered | {n}: wasted reads/tok" for n in names)
+        + " |",
+        "|---|---|" + "---|---|" * len(names),
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['budget']:.0%} | {r['misses_per_token']:.2f} | " + " | ".join(
-            f"{r[n]['covered']:.1%} | {r[n]['wasted_per_token']:.2f}" for n in names) + " |")
+        lines.append(
+            f"| {r['budget']:.0%} | {r['misses_per_token']:.2f} | "
+            + " | ".join(f"{r[n]['covered']:.1%} | {r[n]['wasted_per_token']:.2f}" for n in names)
+            + " |"
+        )
     return "\n".join(lines)
 
 
 def main():
-    from moeflux_mlx import bench
+    from moeflux_mlx.benchmark import report
 
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("model", nargs="?", type=Path)
     ap.add_argument("--tokens", type=int, default=256, help="decode tokens per prompt")
     ap.add_argument("--prompts", type=int, default=2)
@@ -275,25 +323,38 @@ def main():
         model, traces, gate_predicted, num_experts = _record(args)
         n_prompts, n_tokens = args.prompts, args.tokens
     result = run(traces, num_experts, budgets, half_lives)
-    result.update(model=str(model), machine=bench.machine_name(), half_lives=half_lives,
-                  prompts=n_prompts, tokens=n_tokens, num_experts=num_experts,
-                  traces={str(k): v for k, v in traces.items()},
-                  gate_predicted={str(k): v for k, v in gate_predicted.items()})
+    result.update(
+        model=str(model),
+        machine=report.machine_name(),
+        half_lives=half_lives,
+        prompts=n_prompts,
+        tokens=n_tokens,
+        num_experts=num_experts,
+        traces={str(k): v for k, v in traces.items()},
+        gate_predicted={str(k): v for k, v in gate_predicted.items()},
+    )
     result["prefetch"] = run_prefetch(traces, gate_predicted, num_experts, budgets)
     table = format_table(result)
-    head = (f"# Expert cache policies: hit rate on {Path(model).name}\n\n"
-            f"Machine: {result['machine']}. {result['layers']} MoE layers, {n_prompts} prompts x "
-            f"{n_tokens} greedy decode tokens; per layer a cache of budget x experts slots; "
-            f"decay half-lives in tokens.\n")
+    head = (
+        f"# Expert cache policies: hit rate on {Path(model).name}\n\n"
+        f"Machine: {result['machine']}. {result['layers']} MoE layers, {n_prompts} prompts x "
+        f"{n_tokens} greedy decode tokens; per layer a cache of budget x experts slots; "
+        f"decay half-lives in tokens.\n"
+    )
     pf = result["prefetch"]
-    table += ("\n\n## Prefetch predictors, through the LRU cache\n\n"
-              f"Over MoE layers {pf['layers'][0]}-{pf['layers'][-1]} (the first has no previous "
-              "layer to predict it from). A predictor's reads go to buffers of their own (the "
-              "cache evolves as without prefetch); it covers a miss it named, and wastes a read on "
-              "an absent expert it named that the router did not pick.\n\n"
-              + format_prefetch(pf)) if pf["layers"] else ""
+    table += (
+        (
+            "\n\n## Prefetch predictors, through the LRU cache\n\n"
+            f"Over MoE layers {pf['layers'][0]}-{pf['layers'][-1]} (the first has no previous "
+            "layer to predict it from). A predictor's reads go to buffers of their own (the "
+            "cache evolves as without prefetch); it covers a miss it named, and wastes a read on "
+            "an absent expert it named that the router did not pick.\n\n" + format_prefetch(pf)
+        )
+        if pf["layers"]
+        else ""
+    )
     print(head + "\n" + table)
-    tag = args.machine or bench.machine_tag(result["machine"])
+    tag = args.machine or report.machine_tag(result["machine"])
     stem = f"{datetime.date.today().isoformat()}-{tag}-cache-policy"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(result))
@@ -302,15 +363,19 @@ def main():
 
 
 def _record(args):
-    from moeflux_mlx import synth
-    from moeflux_mlx.checkpoint import expert_layout
+    from moeflux_mlx.format.checkpoint import expert_layout
+    from moeflux_mlx.testing import synth
 
     model = args.model
     if model is None:
         model = args.build_dir / "qwen3_moe-small-128x8-8l"
         if not model.exists():
-            synth.build_checkpoint(model, "qwen3_moe", "small", overrides={
-                "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 8})
+            synth.build_checkpoint(
+                model,
+                "qwen3_moe",
+                "small",
+                overrides={"num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 8},
+            )
     layout = expert_layout(model)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, 64).tolist() for _ in range(args.prompts)]

@@ -11,7 +11,7 @@
 # through the table (the lookup alone); ROUNDS > 1 adds stock and the all-resident model (ops and
 # kernel backends, and the kernels through the table: the lookup alone, paired) decoding in turn,
 # ROUNDS times. A fresh machine first spends minutes in
-# NVRTC compiling kernels (README, Known problems): BENCH_TIMEOUT covers that.
+# NVRTC compiling kernels (docs/benchmarks.md, known problems): BENCH_TIMEOUT covers that.
 set -u
 LAYERS=${1:-8}
 ROUNDS=${2:-3}
@@ -58,7 +58,7 @@ if [ "${DISK:-1}" = 1 ]; then  # the VM disk's readahead and the store's cold re
 fi
 if [ "${POLL:-1}" = 1 ]; then  # the poller's host cost: fixed 20 us polls vs backing off to 1 ms
   MODEL=/tmp/bench-models/qwen3_moe-full-${LAYERS}l
-  [ -d "$MODEL" ] || python3 -c "from pathlib import Path; from moeflux_mlx import synth; \
+  [ -d "$MODEL" ] || python3 -c "from pathlib import Path; from moeflux_mlx.testing import synth; \
 synth.build_checkpoint(Path('$MODEL'), 'qwen3_moe', 'full', overrides={'num_hidden_layers': $LAYERS})"
   timeout "${POLL_TIMEOUT:-300}" python3 benchmarks/host_probe.py "$MODEL" --rounds "$ROUNDS" \
     --poll-max-us 20,1000 > "$OUT/host_probe.txt" 2>&1

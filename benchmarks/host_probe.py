@@ -4,9 +4,10 @@ one token at a time without overlap; then the same models decoding pipelined, as
 
 Models: stock mlx-lm, moeflux with every expert resident through the plain ops, through the
 fused kernels, through the fused kernels with every expert looked up in the device-side table,
-and with the experts skipped (the ceiling, see bench.py). ``--poll-max-us 20,1000`` loads one
-table model per cap on the miss server's poll interval (``MOEFLUX_SERVER_POLL_MAX_US``; 20 is a
-fixed 20 us poll, the old default), so the poller's cost is compared within one run.
+and with the experts skipped (the ceiling, ``SkippedExperts`` in moeflux_mlx/benchmark/decode.py).
+``--poll-max-us 20,1000`` loads one table model per cap on the miss server's poll interval
+(``MOEFLUX_SERVER_POLL_MAX_US``; 20 is a fixed 20 us poll, the old default), so the poller's cost
+is compared within one run.
 If build + encode is close to the pipelined time per token, decode is bound by the host, and
 what counts is how many graph nodes a layer adds, not how fast its kernels run.
 
@@ -30,8 +31,8 @@ from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 import moeflux_mlx  # noqa: E402
-from moeflux_mlx import kernels  # noqa: E402
-from moeflux_mlx.bench import SkippedExperts  # noqa: E402
+from moeflux_mlx.benchmark.decode import SkippedExperts  # noqa: E402
+from moeflux_mlx.compute import kernels  # noqa: E402
 
 
 def one_token_at_a_time(model, prompt, tokens):
@@ -69,8 +70,11 @@ def main():
     ap.add_argument("model", type=Path)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--poll-max-us", default="",
-                    help="comma-separated caps: one table model each (else the default cap)")
+    ap.add_argument(
+        "--poll-max-us",
+        default="",
+        help="comma-separated caps: one table model each (else the default cap)",
+    )
     args = ap.parse_args()
     mx.random.seed(0)
     prompt = mx.random.randint(0, 256, (128,)).astype(mx.uint32)
@@ -78,18 +82,21 @@ def main():
     variants = [("moeflux ops", "ops", None, None), ("moeflux kernels", "auto", None, None)]
     caps = [c for c in args.poll_max_us.split(",") if c]
     variants += [(f"moeflux kernels, table (poll cap {c} us)", "auto", "all", c) for c in caps] or [
-        ("moeflux kernels, table", "auto", "all", None)]
+        ("moeflux kernels, table", "auto", "all", None)
+    ]
     variants.append(("experts skipped", "ops", None, None))
     for name, backend, table, cap in variants:
         env = dict(os.environ)
         if cap is not None:  # read by the miss server process this load starts
             os.environ["MOEFLUX_SERVER_POLL_MAX_US"] = cap
-        m, _ = moeflux_mlx.load(args.model, cache_budget="all", backend=backend,
-                                device_table=table)
+        m, _ = moeflux_mlx.load(args.model, cache_budget="all", backend=backend, device_table=table)
         os.environ.clear()
         os.environ.update(env)
-        if backend == "auto" and not isinstance(m.moeflux.backend, kernels.KernelBackend) or (
-                table and m.moeflux.cache.control is None):
+        if (
+            backend == "auto"
+            and not isinstance(m.moeflux.backend, kernels.KernelBackend)
+            or (table and m.moeflux.cache.name != "table")
+        ):
             m.moeflux.close()  # no GPU kernels or table here
             continue
         if name == "experts skipped":
@@ -100,16 +107,21 @@ def main():
         pipelined_ms(m, prompt, 4)  # warm-up
     for _ in range(args.rounds):
         for k, m in models.items():
-            rows[k].append(one_token_at_a_time(m, prompt, args.tokens)
-                           + [pipelined_ms(m, prompt, args.tokens)])
-    print(f"{args.model.name}, {mx.default_device()}, MLX {mx.__version__}; medians over "
-          f"{args.rounds} rounds of {args.tokens} tokens, ms per token")
+            rows[k].append(
+                one_token_at_a_time(m, prompt, args.tokens) + [pipelined_ms(m, prompt, args.tokens)]
+            )
+    print(
+        f"{args.model.name}, {mx.default_device()}, MLX {mx.__version__}; medians over "
+        f"{args.rounds} rounds of {args.tokens} tokens, ms per token"
+    )
     print("| model | build | encode | GPU wait | one at a time | pipelined | x stock (pipelined) |")
     print("|---|---|---|---|---|---|---|")
     stock = statistics.median(r[3] for r in rows["stock mlx-lm"])
     for k, v in rows.items():
         b, e, w, p = (statistics.median(r[i] for r in v) for i in range(4))
-        print(f"| {k} | {b:.3f} | {e:.3f} | {w:.3f} | {b + e + w:.3f} | {p:.3f} | {stock / p:.2f} |")
+        print(
+            f"| {k} | {b:.3f} | {e:.3f} | {w:.3f} | {b + e + w:.3f} | {p:.3f} | {stock / p:.2f} |"
+        )
     for m in models.values():
         if hasattr(m, "moeflux"):
             m.moeflux.close()

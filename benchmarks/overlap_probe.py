@@ -11,8 +11,8 @@ token:
 - wait long and build + encode short: the host runs ahead as intended, and the per-token time
   is the GPU's own (waits, copies, kernels).
 
-On an H100 (2026-11-25-h100-notes.md) it was the second: a cold token is the GPU's waits plus
-its own work, one after the other.
+On an H100 (benchmarks/results/2026-11-25-h100-notes.md; docs/benchmarks.md) it was the second:
+a cold token is the GPU's waits plus its own work, one after the other.
 
     python benchmarks/overlap_probe.py MODEL [--budgets 0.25,0.05] [--tokens 64] [--rounds 3]
 
@@ -35,8 +35,8 @@ import mlx_lm  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 import moeflux_mlx  # noqa: E402
-from moeflux_mlx.bench import PageCacheDropper, expert_files  # noqa: E402
-from moeflux_mlx.checkpoint import expert_layout  # noqa: E402
+from moeflux_mlx.benchmark.pagecache import PageCacheDropper, expert_files  # noqa: E402
+from moeflux_mlx.format.checkpoint import expert_layout  # noqa: E402
 
 
 def pipelined_split(model, prompt, tokens, after_prefill=None):
@@ -72,8 +72,12 @@ def pipelined_split(model, prompt, tokens, after_prefill=None):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model", type=Path)
-    ap.add_argument("--stock", type=Path, help="plain checkpoint for stock mlx-lm "
-                    "(default: MODEL, if it is not a converted directory)")
+    ap.add_argument(
+        "--stock",
+        type=Path,
+        help="plain checkpoint for stock mlx-lm "
+        "(default: MODEL, if it is not a converted directory)",
+    )
     ap.add_argument("--budgets", default="0.25", help="cold budgets, comma-separated")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
@@ -87,12 +91,18 @@ def main():
     # pread even where the RAM gate would map the files: a map held open keeps the pages in the
     # page cache (fadvise cannot drop mapped pages), and the cold model's reads would hit them
     models["moeflux, every expert resident"] = (
-        moeflux_mlx.load(args.model, expert_io="pread", cache_budget="all")[0], False)
-    expert_bytes = expert_layout(args.model).total_expert_bytes  # budgets in bytes, as bench's
+        moeflux_mlx.load(args.model, expert_io="pread", cache_budget="all")[0],
+        False,
+    )
+    # budgets in bytes, as the decode benchmark's
+    expert_bytes = expert_layout(args.model).total_expert_bytes
     for frac in (float(b) for b in args.budgets.split(",")):
         models[f"moeflux, {frac:.0%} cold"] = (
-            moeflux_mlx.load(args.model, expert_io="pread",
-                             cache_budget=int(frac * expert_bytes))[0], True)
+            moeflux_mlx.load(args.model, expert_io="pread", cache_budget=int(frac * expert_bytes))[
+                0
+            ],
+            True,
+        )
     files = expert_files(args.model)
     rows = {k: [] for k in models}
     gpu_wait = {k: [] for k in models}  # the GPU's waits for the miss server, ms per token
@@ -111,16 +121,22 @@ def main():
                 gpu_wait[name].append(1e3 * counted["gpu_wait_s"] / n)
                 missed[name].append(counted["experts_missed"] / n)
                 reading[name].append(1e3 * counted["io_s"] / n)
-    print(f"{args.model.name}, {mx.default_device()}, MLX {mx.__version__}; pipelined one token "
-          f"ahead as mlx-lm does; ms per token, means over {args.tokens} tokens, medians over "
-          f"{args.rounds} rounds")
-    print("| model | build t+1 | encode t+1 | wait for t | token | GPU's waits for misses "
-          "| reading | experts missed/tok |")
+    print(
+        f"{args.model.name}, {mx.default_device()}, MLX {mx.__version__}; pipelined one token "
+        f"ahead as mlx-lm does; ms per token, means over {args.tokens} tokens, medians over "
+        f"{args.rounds} rounds"
+    )
+    print(
+        "| model | build t+1 | encode t+1 | wait for t | token | GPU's waits for misses "
+        "| reading | experts missed/tok |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, v in rows.items():
         b, e, w, t = (statistics.median(r[i] for r in v) for i in range(4))
-        g, io, n = (f"{statistics.median(x[name]):.3f}" if x[name] else "-"
-                    for x in (gpu_wait, reading, missed))
+        g, io, n = (
+            f"{statistics.median(x[name]):.3f}" if x[name] else "-"
+            for x in (gpu_wait, reading, missed)
+        )
         print(f"| {name} | {b:.3f} | {e:.3f} | {w:.3f} | {t:.3f} | {g} | {io} | {n} |")
     for m, _ in models.values():
         if hasattr(m, "moeflux"):

@@ -1,6 +1,6 @@
 """The store's cold pread of decode-sized miss batches, with the kernel's readahead off
-(``store.advise_random_reads``, what pread stores do) and on (the kernel's default), taking
-turns in rounds.
+(``moeflux_mlx.format.readers.advise_random_reads``, what pread stores do) and on (the kernel's
+default), taking turns in rounds.
 
 It builds a 2-layer Qwen3-30B-A3B-shaped random checkpoint once, converts it, then reads batches
 of 1, 2, 4 and 8 random experts of one layer through ``ExpertStore.read`` (8 threads, pieces
@@ -28,13 +28,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from moeflux_mlx import store as st  # noqa: E402
-from moeflux_mlx.bench import PageCacheDropper, expert_files  # noqa: E402
-from moeflux_mlx import synth  # noqa: E402
-from moeflux_mlx.convert import convert  # noqa: E402
+from moeflux_mlx.benchmark.pagecache import PageCacheDropper, expert_files  # noqa: E402
+from moeflux_mlx.format import readers  # noqa: E402
+from moeflux_mlx.format.convert import convert  # noqa: E402
+from moeflux_mlx.io import store as st  # noqa: E402
+from moeflux_mlx.testing import synth  # noqa: E402
 
 MODES = ("off (pread stores)", "kernel default")
 DROPPER = "off, 1 ms dropper running"
+
+
+def set_readahead_advice(advise):
+    """Installs ``advise(fd, what)`` as what a pread store calls on each file it opens, in every
+    module that looks it up by name (the readers define it; the store may import it)."""
+    for module in (readers, st):
+        if hasattr(module, "advise_random_reads"):
+            module.advise_random_reads = advise
 
 
 def sectors_read(stat):
@@ -47,7 +56,11 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batches", type=int, default=20)
     ap.add_argument("--sweep", default="", help="KIB:THREADS,... (readahead off)")
-    ap.add_argument("--dropper", action="store_true", help="also read beside the bench's dropper")
+    ap.add_argument(
+        "--dropper",
+        action="store_true",
+        help="also read beside the decode benchmark's page-cache dropper",
+    )
     args = ap.parse_args()
     src, packed = args.dir / "plain", args.dir / "packed"
     if not src.exists():
@@ -57,7 +70,7 @@ def main():
     dev = os.stat(packed).st_dev
     stat = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat")
     stat = stat if stat.exists() else None
-    advise = st.advise_random_reads
+    advise = readers.advise_random_reads
     rng = random.Random(0)
     sizes = (1, 2, 4, 8)
 
@@ -86,32 +99,43 @@ def main():
     rows = {}
     for _ in range(args.rounds):
         for mode in MODES + ((DROPPER,) if args.dropper else ()):
-            st.advise_random_reads = advise if mode != MODES[1] else (lambda fd, what: None)
+            set_readahead_advice(advise if mode != MODES[1] else (lambda fd, what: None))
             got, blob = batches(8, dropper=mode == DROPPER)
             for k, v in got.items():
                 rows.setdefault((mode, k), []).append(v)
-    st.advise_random_reads = advise
-    print(f"blob {blob} bytes, pieces of {st.READ_PIECE_BYTES >> 10} KiB, 8 threads, "
-          f"{args.rounds} rounds x {args.batches} batches, page cache dropped before each batch")
-    print("| readahead | experts | median ms per round | GB/s (median round) | "
-          "disk bytes / bytes asked |")
+    set_readahead_advice(advise)
+    print(
+        f"blob {blob} bytes, pieces of {st.READ_PIECE_BYTES >> 10} KiB, 8 threads, "
+        f"{args.rounds} rounds x {args.batches} batches, page cache dropped before each batch"
+    )
+    print(
+        "| readahead | experts | median ms per round | GB/s (median round) | "
+        "disk bytes / bytes asked |"
+    )
     print("|---|---|---|---|---|")
     for (mode, k), v in rows.items():
         ms = [m for m, _ in v]
         amp = f"{statistics.mean(a for _, a in v):.2f}" if stat is not None else "-"
-        print(f"| {mode} | {k} | {' / '.join(f'{m:.1f}' for m in ms)} | "
-              f"{k * blob / statistics.median(ms) / 1e6:.2f} | {amp} |")
+        print(
+            f"| {mode} | {k} | {' / '.join(f'{m:.1f}' for m in ms)} | "
+            f"{k * blob / statistics.median(ms) / 1e6:.2f} | {amp} |"
+        )
     if args.sweep:
         default_piece = st.READ_PIECE_BYTES
         print("\nreadahead off, other pieces and threads (one round each):")
-        print("| piece KiB | threads | " + " | ".join(f"{k} experts ms (GB/s)" for k in sizes) + " |")
+        print(
+            "| piece KiB | threads | " + " | ".join(f"{k} experts ms (GB/s)" for k in sizes) + " |"
+        )
         print("|---|---|" + "---|" * len(sizes))
         for spec in args.sweep.split(","):
             kib, threads = (int(v) for v in spec.split(":"))
             st.READ_PIECE_BYTES = kib << 10
             got, blob = batches(threads)
-            print(f"| {kib} | {threads} | " + " | ".join(
-                f"{ms:.1f} ({k * blob / ms / 1e6:.2f})" for k, (ms, _) in got.items()) + " |")
+            print(
+                f"| {kib} | {threads} | "
+                + " | ".join(f"{ms:.1f} ({k * blob / ms / 1e6:.2f})" for k, (ms, _) in got.items())
+                + " |"
+            )
         st.READ_PIECE_BYTES = default_piece
 
 
