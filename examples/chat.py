@@ -11,7 +11,7 @@ Same as `moeflux-mlx chat`. Needs moeflux-mlx importable (`pip install -e .`, or
 
 import sys
 
-from moeflux_mlx.chat import main
+from moeflux_mlx.commands.chat import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,7 +11,7 @@ Same as `moeflux-mlx compare`. Needs moeflux-mlx importable (`pip install -e .`,
 
 import sys
 
-from moeflux_mlx.compare import main
+from moeflux_mlx.commands.compare import main
 
 if __name__ == "__main__":
     sys.exit(main())
