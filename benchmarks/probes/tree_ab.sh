@@ -6,7 +6,7 @@
 # within the machine's noise. Usage, from the repository root, with MLX importable:
 #   bash benchmarks/probes/tree_ab.sh OLD_TREE [LAYERS] [ROUNDS]
 # OLD_TREE: a copy of the other tree, e.g. `git archive REV | tar -x -C OLD_TREE`. Results go
-# to $OUT (default /tmp/out)/tree-ab/.
+# to $OUT (default /tmp/out)/tree-ab/. PAIRS="1" runs each tree once (default "1 2": twice).
 set -u
 OLD=$(cd "$1" && pwd); NEW=$(pwd)
 LAYERS=${2:-4}
@@ -33,7 +33,7 @@ run() {  # run TREE LABEL: the decode and kernel benchmarks of that tree, its pa
     echo "== $label kernels"; grep -E "^\| (qwen|deepseek)" "$OUT/$label-kernels.txt" | cut -c1-160
   fi
 }
-for i in 1 2; do
+for i in ${PAIRS:-1 2}; do
   run "$OLD" "old$i"
   run "$NEW" "new$i"
 done
