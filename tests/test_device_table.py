@@ -550,3 +550,24 @@ def test_on_by_default_where_cuda_is(monkeypatch):
     monkeypatch.setenv("MOEFLUX_DEVICE_TABLE", "1")
     assert use_table(LoadOptions.resolve().device_table) == available
     assert not use_table(LoadOptions.resolve(device_table=False).device_table)
+
+
+def test_server_runs_with_descriptors_past_select_s_limit(tiny_store):
+    """The server inherits the model process's descriptor numbers; in a process with more than
+    1024 files open they pass what select() can watch. It must still serve (it polls)."""
+    store, layout = tiny_store
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        server = _server(store, layout)
+        try:
+            assert server._sock.fileno() > 1024 or server.control.fd > 1024
+            layer = server.control.order[0]
+            missing, victims = server.host_request(layer, cb.HOST_ADMIT, np.array([1, 2]))
+            assert missing.tolist() == [1, 2] and len(victims) == 2
+            time.sleep(0.2)  # idle: the server waits for messages (poll) and must not die
+            server.check()
+        finally:
+            server.close()
+    finally:
+        for fd in held:
+            os.close(fd)

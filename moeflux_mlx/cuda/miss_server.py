@@ -87,6 +87,10 @@ class Server:
         self.store = store_from_spec(spec["store"])
         self.sock = socket.socket(fileno=spec["socket_fd"])
         self.sock.setblocking(False)
+        # poll, not select: the descriptors it inherits keep the model process's numbers, which
+        # may pass select's limit of 1024 in a process with many files open
+        self._idle = select.poll()
+        self._idle.register(self.sock, select.POLLIN)
         self.poll_s = float(spec["poll_us"]) * 1e-6
         self.max_poll_s = max(self.poll_s, float(spec["poll_max_us"]) * 1e-6)
         self.lrus = {
@@ -293,8 +297,7 @@ class Server:
                 poll_s = next_poll_interval(poll_s, self.max_poll_s)
             else:
                 poll_s = self.poll_s
-                r, _, _ = select.select([self.sock], [], [], IDLE_WAIT_S)
-                if r:
+                if self._idle.poll(IDLE_WAIT_S * 1e3):
                     self._receive(block=False)
 
     def close(self) -> None:
