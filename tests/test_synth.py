@@ -280,7 +280,8 @@ def test_overrides_reach_the_model_config():
     [
         dict(arch="gpt2"),
         dict(size="huge"),
-        dict(bits=5),
+        dict(bits=7),
+        dict(mode="mxfp4", bits=8),
         dict(group_size=16),
         dict(dtype="int8"),
         dict(arch="qwen3_5_moe", overrides={"num_hidden_layers": 2}),

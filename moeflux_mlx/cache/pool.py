@@ -49,7 +49,8 @@ class ExpertPool:
 
     arrays: Dict[str, mx.array]
     quantization: Optional[Quantization]  # of gate/up (fc1)
-    overrides: Dict[str, Quantization] = field(default_factory=dict)  # projections that differ
+    # projections quantized otherwise: their Quantization, or None where one is not quantized
+    overrides: Dict[str, Optional[Quantization]] = field(default_factory=dict)
     # per call shape, what a backend worked out once for this pool (compute.kernels.KernelBackend)
     plans: Dict[tuple, object] = field(default_factory=dict, repr=False, compare=False)
 

@@ -1,6 +1,10 @@
 """The plain-ops backend: what mlx-lm's ``SwitchGLU`` / ``SwitchMLP`` compute, given resident
-expert weights (a slot pool) and slot indices, with the same ``mx.gather_qmm`` calls stock mlx-lm
-makes. It runs everywhere and is bit-identical to stock mlx-lm on the CPU backend.
+expert weights (a slot pool) and slot indices, with the same ``mx.gather_qmm`` / ``mx.gather_mm``
+calls stock mlx-lm's ``QuantizedSwitchLinear`` / ``SwitchLinear`` make: every quantization mode
+(affine 1-8 bits, mxfp4, nvfp4 with or without its per-expert global scale, mxfp8), each
+projection quantized its own way or not at all, expert biases, and the model's own activation
+object. It runs everywhere and is bit-identical to stock mlx-lm on the CPU backend (nvfp4's
+global scale runs on the GPU only, in MLX as in this backend).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ def _project(x, pool: ExpertPool, proj: str, idx, sorted_indices: bool):
             group_size=q.group_size,
             bits=q.bits,
             mode=q.mode,
+            global_scale=a.get(f"{proj}.global_scale"),
             sorted_indices=sorted_indices,
         )
     else:

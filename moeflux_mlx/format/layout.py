@@ -21,8 +21,11 @@ FORMAT_VERSION = 1
 ALIGNMENT = 64  # bytes; every component starts aligned, so typed views and vector loads are legal
 
 # Projection order inside a blob: SwitchGLU's, then SwitchMLP's.
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "fc1", "fc2")
-PARAMS = ("weight", "scales", "biases", "bias")
+GLU_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+MLP_PROJECTIONS = ("fc1", "fc2")
+PROJECTIONS = GLU_PROJECTIONS + MLP_PROJECTIONS
+# weight; quantization scales and biases; the linear bias (gpt-oss); nvfp4's per-expert scale
+PARAMS = ("weight", "scales", "biases", "bias", "global_scale")
 
 # safetensors dtype name -> numpy dtype name (bf16 has no numpy dtype; it travels as raw bytes)
 DTYPE_SIZES = {
@@ -42,9 +45,11 @@ DTYPE_SIZES = {
     "I64": 8,
     "F64": 8,
 }
-SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
-SUPPORTED_GROUPS = (16, 32, 64, 128)
+# what mx.quantize accepts (MLX 0.32): affine bits and group sizes; each float mode has one pair
+SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 8)
+SUPPORTED_GROUPS = (32, 64, 128)
 SUPPORTED_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
+FLOAT_MODES = {"mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}  # mode -> (bits, group)
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,9 @@ class ExpertLayout:
     components: Tuple[Component, ...]
     blob_size: int
     quantization: Optional[Quantization]  # of gate/up (fc1); None: experts are not quantized
-    overrides: Dict[str, Quantization] = field(default_factory=dict)  # projections that differ
+    # projections quantized otherwise: a Quantization, or None where that projection is not
+    # quantized
+    overrides: Dict[str, Optional[Quantization]] = field(default_factory=dict)
 
     def quant(self, projection: str) -> Optional[Quantization]:
         return self.overrides.get(projection, self.quantization)
@@ -113,7 +120,7 @@ class ExpertLayout:
         cls,
         tensors: Dict[str, Tuple[str, Sequence[int]]],
         quantization: Optional[Quantization],
-        overrides: Optional[Dict[str, Quantization]] = None,
+        overrides: Optional[Dict[str, Optional[Quantization]]] = None,
         where: str = "",
     ) -> ExpertLayout:
         """Build from ``{"gate_proj.weight": (dtype, stacked_shape), ...}`` of one layer."""
@@ -158,47 +165,70 @@ class ExpertLayout:
                     f"{c.offset}, which does not match {c.dtype}{list(c.shape)}"
                 )
         projs = set(self.projections)
-        if not (projs == {"gate_proj", "up_proj", "down_proj"} or projs == {"fc1", "fc2"}):
+        if projs not in (set(GLU_PROJECTIONS), set(MLP_PROJECTIONS)):
             raise LayoutError(
                 f"{where}: expert projections {sorted(projs)} are neither "
                 "SwitchGLU's (gate/up/down) nor SwitchMLP's (fc1/fc2)"
             )
+        unknown = set(self.overrides) - projs
+        if unknown:
+            raise LayoutError(f"{where}: quantization given for unknown projections {unknown}")
         for p in self.projections:
-            q = self.quant(p)
-            w = self.component(f"{p}.weight")
-            has_scales = f"{p}.scales" in self.names
-            if q is None:
-                if has_scales:
-                    raise UnsupportedQuantizationError(
-                        f"{where}: {p} has scales but no quantization is configured"
-                    )
-                continue
-            if q.mode not in SUPPORTED_MODES:
-                raise UnsupportedQuantizationError(
-                    f"{where}: {p}: unsupported quantization mode {q.mode!r} "
-                    f"(supported: {', '.join(SUPPORTED_MODES)})"
-                )
-            if q.bits not in SUPPORTED_BITS:
-                raise UnsupportedQuantizationError(
-                    f"{where}: {p}: unsupported quantization bits {q.bits} (supported: {SUPPORTED_BITS})"
-                )
-            if q.group_size not in SUPPORTED_GROUPS:
-                raise UnsupportedQuantizationError(
-                    f"{where}: {p}: unsupported quantization group size {q.group_size}"
-                )
-            if not has_scales or w.dtype != "U32":
-                raise UnsupportedQuantizationError(
-                    f"{where}: {p} is not quantized like the config says ({q.bits}-bit, group {q.group_size})"
-                )
-            s = self.component(f"{p}.scales")
-            if s.shape[-1] * q.group_size != w.shape[-1] * 32 // q.bits:
-                raise UnsupportedQuantizationError(
-                    f"{where}: {p} weight/scales shapes {w.shape}/{s.shape} do not match "
-                    f"{q.bits}-bit group {q.group_size} quantization"
-                )
+            if f"{p}.weight" not in self.names:
+                raise LayoutError(f"{where}: {p} has no weight")
+            self._validate_quantization(p, where)
         for c in self.components:
             if c.offset % ALIGNMENT or c.offset + c.nbytes > self.blob_size:
                 raise LayoutError(f"{where}: component {c.name} lies outside its blob")
+
+    def _validate_quantization(self, p: str, where: str) -> None:
+        q = self.quant(p)
+        w = self.component(f"{p}.weight")
+        has_scales = f"{p}.scales" in self.names
+        if f"{p}.global_scale" in self.names and (q is None or q.mode != "nvfp4"):
+            raise UnsupportedQuantizationError(
+                f"{where}: {p} has a global_scale, which only nvfp4 quantization uses"
+            )
+        if q is None:
+            if has_scales or f"{p}.biases" in self.names:
+                raise UnsupportedQuantizationError(
+                    f"{where}: {p} has scales but no quantization is configured"
+                )
+            return
+        if q.mode not in SUPPORTED_MODES:
+            raise UnsupportedQuantizationError(
+                f"{where}: {p}: unsupported quantization mode {q.mode!r} "
+                f"(supported: {', '.join(SUPPORTED_MODES)})"
+            )
+        if q.mode in FLOAT_MODES and (q.bits, q.group_size) != FLOAT_MODES[q.mode]:
+            bits, group = FLOAT_MODES[q.mode]
+            raise UnsupportedQuantizationError(
+                f"{where}: {p}: {q.mode} takes {bits} bits in groups of {group}, "
+                f"not bits {q.bits} group size {q.group_size}"
+            )
+        if q.bits not in SUPPORTED_BITS:
+            raise UnsupportedQuantizationError(
+                f"{where}: {p}: unsupported quantization bits {q.bits} (supported: {SUPPORTED_BITS})"
+            )
+        if q.mode == "affine" and q.group_size not in SUPPORTED_GROUPS:
+            raise UnsupportedQuantizationError(
+                f"{where}: {p}: unsupported quantization group size {q.group_size}"
+            )
+        if not has_scales or w.dtype != "U32":
+            raise UnsupportedQuantizationError(
+                f"{where}: {p} is not quantized like the config says ({q.bits}-bit, group {q.group_size})"
+            )
+        s = self.component(f"{p}.scales")
+        if s.shape[-1] * q.group_size != w.shape[-1] * 32 // q.bits or s.shape[:-1] != w.shape[:-1]:
+            raise UnsupportedQuantizationError(
+                f"{where}: {p} weight/scales shapes {w.shape}/{s.shape} do not match "
+                f"{q.bits}-bit group {q.group_size} quantization"
+            )
+        if (q.mode == "affine") != (f"{p}.biases" in self.names):
+            raise UnsupportedQuantizationError(
+                f"{where}: {p}: {q.mode} quantization "
+                f"{'needs' if q.mode == 'affine' else 'has no'} biases"
+            )
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -231,7 +261,7 @@ class ExpertLayout:
                 ),
                 blob_size=int(d["blob_size"]),
                 quantization=quant(q) if q else None,
-                overrides={p: quant(o) for p, o in d.get("overrides", {}).items()},
+                overrides={p: quant(o) if o else None for p, o in d.get("overrides", {}).items()},
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise LayoutError(f"{where}: malformed expert layout ({type(e).__name__}: {e})") from e

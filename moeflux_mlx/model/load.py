@@ -1,8 +1,12 @@
 """``load`` and ``patch_model``: an ordinary mlx-lm model whose experts stream from disk.
 
 The model is built by mlx-lm's own ``load_model``; before any weight is materialized every
-``SwitchGLU`` / ``SwitchMLP`` named in the expert layout is replaced by a ``StreamingSwitchGLU``,
-and the expert tensors are dropped from the (lazy) weight dict, so they are never read at load.
+routed-experts module (``SwitchGLU`` / ``SwitchMLP`` or one with their interface, found by
+``model.experts``, whatever its name) is replaced by a ``StreamingSwitchGLU``, and the expert
+tensors are dropped from the (lazy) weight dict after mlx-lm's ``sanitize``, so they are never
+read at load. The experts the model has and the ones the files hold (``format.checkpoint``) must
+be the same modules, and mlx-lm's ``sanitize`` must hand the files' expert tensors to the model
+unchanged (else the bytes streamed would not be the ones mlx-lm computes with).
 """
 
 from __future__ import annotations
@@ -15,14 +19,14 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
-from mlx_lm.utils import _get_classes, load_model, load_tokenizer
+from mlx_lm.utils import load_model, load_tokenizer
 
 from ..errors import CheckpointError, LayoutError
 from ..format.checkpoint import EXPERT_KEY
 from ..format.layout import ExpertLayout
 from ..io.store import open_store
 from ..options import Budget, LoadOptions
+from .experts import find_experts, model_classes, no_experts_error
 from .predict import NextLayerPredictor, next_gates
 from .runtime import StreamingRuntime
 from .switch import StreamingSwitchGLU
@@ -48,28 +52,73 @@ def _check_shapes(switch: nn.Module, layout: ExpertLayout, where: str) -> None:
             )
 
 
-def _replace_switch_modules(model: nn.Module, runtime: StreamingRuntime) -> None:
+def _replace_switch_modules(
+    model: nn.Module, runtime: StreamingRuntime, config: Optional[dict] = None, where: object = ""
+) -> None:
+    """Swap every routed-experts module of ``model`` for a ``StreamingSwitchGLU`` reading the
+    experts ``runtime`` streams; the two sets of modules must be the same."""
+    if any(isinstance(m, StreamingSwitchGLU) for _, m in model.named_modules()):
+        raise CheckpointError(f"{where or 'the model'}: the model is already patched")
+    experts = find_experts(model)
+    if not experts:
+        raise no_experts_error(
+            config or {"model_type": type(model).__module__.rsplit(".", 1)[-1]}, where
+        )
     modules = dict(model.named_modules())
     for layer, path in sorted(runtime.layout.module_paths.items()):
-        where = f"layer {layer} ({path})"
-        switch = modules.get(path)
-        if not isinstance(switch, (SwitchGLU, SwitchMLP, StreamingSwitchGLU)):
+        where_layer = f"layer {layer} ({path})"
+        found = experts.get(path)
+        if found is None:
             raise LayoutError(
-                f"{where}: the model has no SwitchGLU there "
-                f"(found {type(switch).__name__}); wrong config for these experts?"
+                f"{where_layer}: the model has no SwitchGLU there "
+                f"(found {type(modules.get(path)).__name__}); wrong config for these experts?"
             )
-        if isinstance(switch, StreamingSwitchGLU):
-            raise CheckpointError(f"{where}: the model is already patched")
-        _check_shapes(switch, runtime.layout.layers[layer], where)
+        switch = found.module
+        _check_shapes(switch, runtime.layout.layers[layer], where_layer)
+        streaming = StreamingSwitchGLU(layer, runtime, switch.activation)
+        for name, extra in found.extras.items():  # e.g. a norm the model hangs on the module
+            setattr(streaming, name, extra)
         parent_path, name = path.rsplit(".", 1)
-        setattr(modules[parent_path], name, StreamingSwitchGLU(layer, runtime, switch.activation))
-    if runtime.options.prefetch:
-        runtime.cache.predictor = NextLayerPredictor(next_gates(model, runtime.layout.module_paths))
-    left = [p for p, m in model.named_modules() if isinstance(m, (SwitchGLU, SwitchMLP))]
+        setattr(modules[parent_path], name, streaming)
+    left = [p for p in experts if p not in set(runtime.layout.module_paths.values())]
     if left:
         raise CheckpointError(
             f"the model has experts at {left} but the checkpoint has none for them"
         )
+
+
+def _attach_predictor(model: nn.Module, runtime: StreamingRuntime) -> None:
+    """Prefetch's next-layer routers, found once the model's weights are in place (a router
+    quantized at load is a new module)."""
+    if runtime.options.prefetch:
+        gates = next_gates(model, runtime.layout.module_paths, runtime.layout)
+        runtime.cache.predictor = NextLayerPredictor(gates)
+
+
+def _expert_keys_dropper(sanitize, module_paths, where: object):
+    """``sanitize`` followed by dropping the streamed experts' tensors. mlx-lm's sanitize must
+    hand each of them on unchanged (the very array it was given, under the same name): the bytes
+    streamed from the files are then the bytes mlx-lm would compute with."""
+    streamed = set(module_paths)
+
+    def drop_experts(weights):
+        given = weights
+        weights = sanitize(dict(weights)) if sanitize else weights
+        kept = {}
+        for k, v in weights.items():
+            m = EXPERT_KEY.match(k)
+            if m is None or m["module"] not in streamed:
+                kept[k] = v
+            elif given.get(k) is not v:
+                raise CheckpointError(
+                    f"{where}: mlx-lm rewrites the expert tensor {k} when it loads this "
+                    "checkpoint (its sanitize), so the files do not hold what the model "
+                    "computes with; convert it once with mlx_lm.convert, which saves the "
+                    "experts as the model uses them"
+                )
+        return kept
+
+    return drop_experts
 
 
 def _make_runtime(source, options: LoadOptions) -> StreamingRuntime:
@@ -134,7 +183,8 @@ def patch_model(
     )
     runtime = _make_runtime(source, opts)
     try:
-        _replace_switch_modules(model, runtime)
+        _replace_switch_modules(model, runtime, where=source)
+        _attach_predictor(model, runtime)
     except Exception:
         runtime.close()
         raise
@@ -154,6 +204,7 @@ def load(
     model_config: Optional[dict] = None,
     tokenizer_config: Optional[dict] = None,
     options: Optional[LoadOptions] = None,
+    lazy: bool = False,
 ) -> Tuple[nn.Module, object]:
     """Load a converted directory or a plain mlx-lm checkpoint with experts streamed from disk.
 
@@ -168,6 +219,7 @@ def load(
         device_table: CUDA: decode looks slots up on the GPU, and only the GPU waits, only on
             misses, for a helper process that reads them (default: on where CUDA is).
         model_config, tokenizer_config: as for ``mlx_lm.load``.
+        lazy: as for ``mlx_lm.load``: the dense weights are read when first used, not now.
         options: every load option at once (``LoadOptions``); keyword arguments given override it.
 
     Returns:
@@ -195,24 +247,23 @@ def load(
     runtime = _make_runtime(path, opts)
 
     def get_classes(config):
-        model_class, args_class = _get_classes(config)
+        model_class, args_class = model_classes(config, path)
 
         def build(args):
             model = model_class(args)
-            _replace_switch_modules(model, runtime)
-            sanitize = getattr(model, "sanitize", None)
-
-            def drop_experts(weights):
-                weights = sanitize(weights) if sanitize else weights
-                return {k: v for k, v in weights.items() if not EXPERT_KEY.match(k)}
-
-            model.sanitize = drop_experts
+            _replace_switch_modules(model, runtime, config, path)
+            model.sanitize = _expert_keys_dropper(
+                getattr(model, "sanitize", None), runtime.layout.module_paths.values(), path
+            )
             return model
 
         return build, args_class
 
     try:
-        model, config = load_model(path, model_config=model_config, get_model_classes=get_classes)
+        model, config = load_model(
+            path, lazy=lazy, model_config=model_config, get_model_classes=get_classes
+        )
+        _attach_predictor(model, runtime)
         # the random initial weights of the replaced experts were never evaluated; evaluate the
         # global key so it does not keep their lazy graph (about 75 KB per load) alive
         mx.eval(mx.random.state)

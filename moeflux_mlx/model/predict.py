@@ -4,6 +4,11 @@ The prediction for the next MoE layer is its own router applied to this layer's 
 offloading literature reports high recall for this on trained models). It is built lazily, next
 to this layer's router indices, so evaluating both costs one host sync; the caches hand it to
 their read-ahead (``io.prefetch`` on the synced path, the miss server on the device-side table).
+
+Routers are found as the experts are (``model.experts.find_router``): the linear map onto the
+next layer's experts in its decoder layer, whatever the architecture calls it. A router that
+reads another size than this layer's experts do (e.g. nemotron_h's latent experts) predicts
+nothing.
 """
 
 from __future__ import annotations
@@ -12,6 +17,9 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from ..format.layout import ModelLayout
+from .experts import expert_projections, find_router, router_input_dims
 
 
 def predict_experts(gate: nn.Module, x: mx.array, k: int) -> mx.array:
@@ -22,18 +30,43 @@ def predict_experts(gate: nn.Module, x: mx.array, k: int) -> mx.array:
     return mx.argpartition(-out, kth=k - 1, axis=-1)[..., :k]
 
 
-def next_gates(model: nn.Module, module_paths: Dict[int, str]) -> Dict[int, Tuple[int, nn.Module]]:
-    """layer -> (next MoE layer, its router), where the router is the ``gate`` beside the
-    next layer's ``switch_mlp`` (the name every mlx-lm MoE block here uses)."""
+def _dims(module: Optional[nn.Module], layout: Optional[ModelLayout], layer: int):
+    """(experts, input size) of the experts module at a layer: from the module where it is
+    still mlx-lm's, else from the expert layout (a streaming module holds no weights)."""
+    projections = expert_projections(module) if module is not None else None
+    if projections is not None:
+        first = getattr(module, projections[0])
+        return int(first.num_experts), int(first.input_dims)
+    if layout is None or layer not in layout.layers:
+        return None
+    lay = layout.layers[layer]
+    out = "down_proj" if "down_proj" in lay.projections else "fc2"
+    return lay.num_experts, lay.component(f"{out}.weight").shape[0]
+
+
+def next_gates(
+    model: nn.Module, module_paths: Dict[int, str], layout: Optional[ModelLayout] = None
+) -> Dict[int, Tuple[int, nn.Module]]:
+    """layer -> (next MoE layer, its router), for every MoE layer whose next MoE layer has a
+    router that reads what this layer's experts read.
+
+    Args:
+        model: the model (patched or not).
+        module_paths: layer -> path of its experts module (``ModelLayout.module_paths``).
+        layout: the expert layout (default: ``model.moeflux.layout`` where the model is patched).
+    """
+    if layout is None:
+        layout = getattr(getattr(model, "moeflux", None), "layout", None)
     modules = dict(model.named_modules())
+    dims = {i: _dims(modules.get(p), layout, i) for i, p in module_paths.items()}
     layers = sorted(module_paths)
     out = {}
     for cur, nxt in zip(layers, layers[1:]):
-        gate: Optional[nn.Module] = getattr(
-            modules.get(module_paths[nxt].rsplit(".", 1)[0]), "gate", None
-        )
-        if gate is not None:
-            out[cur] = (nxt, gate)
+        if dims[cur] is None or dims[nxt] is None:
+            continue
+        found = find_router(model, module_paths[nxt], nxt, dims[nxt][0])
+        if found is not None and router_input_dims(found[1]) == dims[cur][1]:
+            out[cur] = (nxt, found[1])
     return out
 
 

@@ -41,6 +41,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
+from .architectures import MOE_ARCHITECTURES, SEPARATE_EXPERTS, tiny_config
+
 logger = logging.getLogger(__name__)
 
 # Bump when a change to this module changes what a given (arch, size, seed) writes;
@@ -49,8 +51,10 @@ SYNTH_VERSION = 1
 
 ARCHITECTURES = ("qwen3_moe", "qwen3_5_moe", "deepseek_v3", "mixtral")
 SIZES = ("tiny", "small", "medium", "full")
-QUANT_BITS = (2, 3, 4, 6, 8)
+# affine bits and group sizes mx.quantize takes; each float mode takes one (bits, group) pair
+QUANT_BITS = (1, 2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
+QUANT_MODES = {"affine": None, "mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 
 DEMO_ARCH = "qwen3_moe"
@@ -563,7 +567,7 @@ def _validate(arch: str, config: Dict[str, Any]) -> None:
         raise ValueError(
             f"num_experts_per_tok ({tc['num_experts_per_tok']}) must be in [1, {n_experts}]"
         )
-    if tc["vocab_size"] < _MIN_VOCAB_SIZE:
+    if _vocab_size(tc) < _MIN_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be at least {_MIN_VOCAB_SIZE}")
 
 
@@ -573,10 +577,23 @@ def model_config(arch: str, size: str = "tiny", **overrides: Any) -> Dict[str, A
     ``overrides`` set any key; for ``qwen3_5_moe`` they go into ``text_config``
     (where mlx-lm reads them) unless the key only exists at the top level.
     """
-    if arch not in _CONFIGS:
-        raise ValueError(f"Unknown architecture {arch!r}; choose from {ARCHITECTURES}")
+    if arch not in _CONFIGS and arch not in MOE_ARCHITECTURES and arch not in SEPARATE_EXPERTS:
+        raise ValueError(
+            f"Unknown architecture {arch!r}; choose from {ARCHITECTURES} "
+            f"(any size) or {sorted(MOE_ARCHITECTURES)} (tiny)"
+        )
     if size not in SIZES:
         raise ValueError(f"Unknown size {size!r}; choose from {SIZES}")
+    if arch not in _CONFIGS:  # testing/architectures.py: every other mlx-lm MoE, tiny only
+        if size != "tiny":
+            raise ValueError(f"{arch} is only built at size 'tiny'")
+        config = tiny_config(arch)
+        tc = text_config(config)
+        tc.update(eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID, bos_token_id=None)
+        if tc is not config:
+            config["eos_token_id"] = EOS_TOKEN_ID
+        _apply_overrides(config, overrides)
+        return config
     config = _CONFIGS[arch](size)
     tc = text_config(config)
     tc.update(eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID, bos_token_id=None)
@@ -722,6 +739,8 @@ def _quantize_in_chunks(model: nn.Module, draws: Dict[str, _Draw]) -> None:
         draw = draws.get(f"{path}.weight")
         if draw is None or "scales" not in module or len(draw.bounds) == 1:
             continue
+        if module.get("global_scale") is not None:  # one scale per whole expert: not by rows
+            continue
         weight, scales, *biases = draw.quantized(module.group_size, module.bits, module.mode)
         module.weight, module.scales = weight, scales
         if biases:
@@ -741,28 +760,71 @@ def _eval_groups(model: nn.Module) -> OrderedDict[str, List[mx.array]]:
     return groups
 
 
-def _check_quant_args(bits: int, group_size: int) -> None:
+def _check_quant_args(bits: int, group_size: int, mode: str = "affine") -> None:
+    if mode not in QUANT_MODES:
+        raise ValueError(f"mode must be one of {tuple(QUANT_MODES)}, got {mode!r}")
+    if QUANT_MODES[mode] is not None:
+        if (bits, group_size) != QUANT_MODES[mode]:
+            raise ValueError(f"{mode} takes (bits, group_size) {QUANT_MODES[mode]}")
+        return
     if bits not in QUANT_BITS:
         raise ValueError(f"bits must be one of {QUANT_BITS}, got {bits}")
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
 
 
+def _hidden_size(tc: Dict[str, Any]) -> int:
+    return int(tc.get("hidden_size") or tc.get("model_dim") or tc.get("d_model"))
+
+
+def _vocab_size(tc: Dict[str, Any]) -> int:
+    return int(tc.get("vocab_size") or tc.get("num_vocab"))
+
+
+# mlx_lm.convert's mixed-precision recipes (--quant-predicate)
+RECIPES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
+
+
 def _quantize(
-    model: nn.Module, config: Dict[str, Any], bits: int, group_size: int
+    model: nn.Module,
+    config: Dict[str, Any],
+    bits: int,
+    group_size: int,
+    mode: str = "affine",
+    recipe: Optional[str] = None,
+    quant_predicate: Optional[Callable[[str, nn.Module], Any]] = None,
+    global_scale: bool = False,
 ) -> Dict[str, Any]:
+    """``quantize_model`` as ``mlx_lm.convert`` calls it (a recipe's predicate, else the model's
+    own), or with ``quant_predicate`` (e.g. experts left unquantized)."""
     from mlx_lm.models.switch_layers import SwitchLinear
     from mlx_lm.utils import quantize_model
 
+    if recipe is not None:
+        from mlx_lm.convert import mixed_quant_predicate_builder
+
+        if recipe not in RECIPES:
+            raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+        quant_predicate = mixed_quant_predicate_builder(recipe, model, group_size)
     # quantize_model reports bits per weight with print(); route it to the log.
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         _, config = quantize_model(
-            model, config, group_size, bits, mode="affine", quant_predicate=None
+            model,
+            config,
+            group_size,
+            bits,
+            mode=mode,
+            global_scale=global_scale,
+            quant_predicate=quant_predicate,
         )
     if msg := out.getvalue().strip():
         logger.debug("%s", msg)
-    left = [n for n, m in model.named_modules() if isinstance(m, SwitchLinear)]
+    left = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, SwitchLinear) and m.weight.shape[-1] % group_size
+    ]
     if left:
         raise ValueError(
             f"group_size {group_size} does not divide the input dims of {left[0]} "
@@ -782,20 +844,25 @@ def build_model(
     overrides: Optional[Dict[str, Any]] = None,
     quantize: bool = True,
     progress: Optional[bool] = None,
+    mode: str = "affine",
+    recipe: Optional[str] = None,
+    quant_predicate: Optional[Callable[[str, nn.Module], Any]] = None,
+    global_scale: bool = False,
 ) -> Tuple[nn.Module, Dict[str, Any]]:
     """Build the random-weight mlx-lm model in memory; returns ``(model, config)``.
 
     ``config`` is what ``build_checkpoint`` saves as ``config.json`` (with the
     ``quantization`` entries when quantized). Parameters are evaluated one decoder layer
     at a time after quantization, so a full-shaped layer's float weights never all exist
-    at once.
+    at once. ``mode``, ``recipe``, ``quant_predicate`` and ``global_scale`` are
+    ``quantize_model``'s (see ``build_checkpoint``).
     """
     from mlx_lm.utils import _get_classes
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
     if quantize:
-        _check_quant_args(bits, group_size)
+        _check_quant_args(bits, group_size, mode)
     config = model_config(arch, size, **(overrides or {}))
     config["torch_dtype"] = dtype
     if "text_config" in config:
@@ -806,9 +873,11 @@ def build_model(
     mx.random.seed(seed)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(copy.deepcopy(config)))
-    draws = _randomize(model, seed, text_config(config)["hidden_size"], DTYPES[dtype])
+    draws = _randomize(model, seed, _hidden_size(text_config(config)), DTYPES[dtype])
     if quantize:
-        config = _quantize(model, config, bits, group_size)
+        config = _quantize(
+            model, config, bits, group_size, mode, recipe, quant_predicate, global_scale
+        )
         _quantize_in_chunks(model, draws)
     del draws  # the chunk graphs now hang off the model's parameters only
     model.eval()
@@ -832,13 +901,22 @@ def build_checkpoint(
     dtype: str = "bfloat16",
     overrides: Optional[Dict[str, Any]] = None,
     quantize: bool = True,
+    mode: str = "affine",
+    recipe: Optional[str] = None,
+    quant_predicate: Optional[Callable[[str, nn.Module], Any]] = None,
+    global_scale: bool = False,
 ) -> Path:
     """Write a random-weight mlx-lm MoE checkpoint (weights, config, tokenizer) to ``path``.
 
-    ``bits`` in {2, 3, 4, 6, 8} and ``group_size`` in {32, 64, 128} (affine mode) apply
-    where the model's ``quant_predicate`` does not choose otherwise (Qwen routers stay
-    8-bit, group 64). ``quantize=False`` keeps every weight in ``dtype``. The same
-    arguments write byte-identical safetensors.
+    ``arch``: one of ``ARCHITECTURES`` (every size), or any architecture of
+    ``architectures.MOE_ARCHITECTURES`` (size ``tiny``). Quantized as ``mlx_lm.convert``
+    does: ``mode`` ``affine`` with ``bits`` in {1, 2, 3, 4, 5, 6, 8} and ``group_size`` in
+    {32, 64, 128}, or ``mxfp4`` (4, 32), ``nvfp4`` (4, 16), ``mxfp8`` (8, 32); these apply
+    where the model's ``quant_predicate`` does not choose otherwise (Qwen routers stay 8-bit,
+    group 64). ``recipe``: one of mlx-lm's mixed recipes (``mixed_3_6``, ...: per layer and per
+    projection); ``quant_predicate``: any other (``(path, module) -> bool | dict``);
+    ``global_scale``: nvfp4's per-expert tensor scale. ``quantize=False`` keeps every weight
+    in ``dtype``. The same arguments write byte-identical safetensors.
     """
     from mlx_lm.utils import save_config, save_model
 
@@ -853,12 +931,16 @@ def build_checkpoint(
         dtype=dtype,
         overrides=overrides,
         quantize=quantize,
+        mode=mode,
+        recipe=recipe,
+        quant_predicate=quant_predicate,
+        global_scale=global_scale,
     )
     path.mkdir(parents=True, exist_ok=True)
     save_model(path, model, donate_model=True)
     del model
     save_config(copy.deepcopy(config), path / "config.json")
-    build_tokenizer(path, vocab_size=text_config(config)["vocab_size"])
+    build_tokenizer(path, vocab_size=_vocab_size(text_config(config)))
     logger.info(
         "Wrote %s/%s checkpoint to %s in %.1f s", arch, size, path, time.perf_counter() - start
     )
