@@ -25,11 +25,11 @@ template <typename P> MF_INLINE uint4 mf_load_words(P p, long st) {
 }
 
 // One 16-byte chunk of packed weights dotted with its staged activations.
-// NX float4 of staged activations per chunk; dot() returns sum_i q_i * x_i.
+// dot() returns sum_i q_i * x_i over the chunk's 128 / BITS elements (xv: their staged float4s).
+// (No static data members here: Metal wants those in the constant address space.)
 template <int BITS> struct MfChunk;
 
 template <> struct MfChunk<4> {
-  static constexpr int NX = 8;
   static MF_INLINE void word(uint32_t u, float4 xl, float4 xh, MF_THREAD float& a, MF_THREAD float& b) {
     const uint32_t v = u >> 16;
     a = MF_FMA(xl.x, mf_q(u, 0x000Fu), a);
@@ -52,7 +52,6 @@ template <> struct MfChunk<4> {
 };
 
 template <> struct MfChunk<8> {
-  static constexpr int NX = 4;
   static MF_INLINE void word(uint32_t u, float4 xq, MF_THREAD float& a, MF_THREAD float& b) {
     const uint32_t v = u >> 16;
     a = MF_FMA(xq.x, mf_q(u, 0x00FFu), a);

@@ -9,6 +9,7 @@ does to its modules.
     moeflux-mlx demo      build the small demo model if needed and generate on it
     moeflux-mlx server    mlx-lm's OpenAI-compatible server, experts streamed
     moeflux-mlx bench     the decode benchmark against stock mlx-lm
+    moeflux-mlx doctor    versions, device, kernel self-check, memory, budget and decode forecast
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 from typing import Optional
 
 from . import __version__
-from .commands import bench, chat, common, compare, convert, demo, generate, info, server
+from .commands import bench, chat, common, compare, convert, demo, doctor, generate, info, server
 
 COMMANDS = {
     "generate": generate,
@@ -29,6 +30,7 @@ COMMANDS = {
     "demo": demo,
     "server": server,
     "bench": bench,
+    "doctor": doctor,
 }
 # parser keywords a command needs beyond its description
 _PARSER_KWARGS = {

@@ -10,7 +10,7 @@ from typing import Dict, Optional
 class LayerStats:
     calls: int = 0  # SwitchGLU calls (one per forward pass of the layer)
     unsynced_calls: int = 0  # of those, served with every expert resident: no host sync
-    tokens: int = 0  # tokens of the synced calls
+    tokens: int = 0  # tokens of every call (the router's rows)
     experts_routed: int = 0  # unique experts the router asked for, summed over synced calls
     experts_missed: int = 0  # of those, not resident when asked
     prefetch_issued: int = 0  # experts read ahead because the next-layer prediction named them
@@ -33,11 +33,28 @@ class LayerStats:
 @dataclass
 class Stats:
     layers: Dict[int, LayerStats] = field(default_factory=dict)
+    # per layer, what actually computed its calls: "metal", "cuda", "ops", or
+    # "ops (fallback: <why>)" when the kernels did not take a call (counted per call)
+    served: Dict[int, Dict[str, int]] = field(default_factory=dict)
 
     def layer(self, i: int) -> LayerStats:
         if i not in self.layers:
             self.layers[i] = LayerStats()
         return self.layers[i]
+
+    def served_in(self, i: int) -> Dict[str, int]:
+        """The per-backend call counts of layer ``i`` (the streaming module adds to them)."""
+        if i not in self.served:
+            self.served[i] = {}
+        return self.served[i]
+
+    def served_total(self) -> Dict[str, int]:
+        """Calls per backend over every layer."""
+        out: Dict[str, int] = {}
+        for counts in self.served.values():
+            for name, n in counts.items():
+                out[name] = out.get(name, 0) + n
+        return out
 
     def total(self) -> LayerStats:
         t = LayerStats()
@@ -55,7 +72,12 @@ class Stats:
     def to_dict(self) -> dict:
         total = asdict(self.total())
         total["hit_rate"] = self.hit_rate
-        return {"total": total, "layers": {i: asdict(s) for i, s in sorted(self.layers.items())}}
+        layers = {}
+        for i, s in sorted(self.layers.items()):
+            layers[i] = asdict(s)
+            layers[i]["backend"] = dict(self.served.get(i, {}))
+        return {"total": total, "layers": layers, "served": self.served_total()}
 
     def reset(self) -> None:
         self.layers.clear()
+        self.served.clear()

@@ -68,6 +68,17 @@ MODELS = {
 RESULTS = []  # (kernel, case, relative error) for the report
 
 
+@pytest.fixture(autouse=True)
+def _selfcheck_cache(tmp_path, monkeypatch):
+    """KernelBackend checks each variant on first use: keep its verdicts out of ~/.cache."""
+    from moeflux_mlx.compute import selfcheck
+
+    monkeypatch.setattr(selfcheck, "CACHE_DIR", tmp_path / "selfcheck")
+    selfcheck.forget()
+    yield
+    selfcheck.forget()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _report():
     yield
@@ -465,7 +476,7 @@ def test_backend_matches_ops(dtype, n_tok):
     b = OpsBackend()(x, slots, pool, SwiGLU())
     # the second call takes the launch plan worked out by the first, with new inputs
     (plan,) = pool.plans.values()
-    assert plan is not None
+    assert plan.launches is not None and plan.served == DIALECT
     x2 = mx.random.normal((1, n_tok, hid)).astype(dtype)
     slots2 = make_slots(rng, n_tok, topk, n).reshape(1, n_tok, topk).astype(mx.uint32)
     a2 = kb(x2, slots2, pool, SwiGLU())
@@ -683,7 +694,7 @@ def test_backend_plans_once_per_pool_and_shape():
                 kb(x, s, pool, SwiGLU()), OpsBackend()(x, s, pool, SwiGLU())
             ).item()
     assert calls == [(1, 1, 256), (1, 2, 256)]
-    assert len(pool.plans) == 2 and all(p is None for p in pool.plans.values())  # no GPU here
+    assert len(pool.plans) == 2 and all(p.launches is None for p in pool.plans.values())  # no GPU
     other = _cpu_pool()
     kb(mx.random.normal((1, 1, 256)), s[:, :1], other, SwiGLU())
     assert len(calls) == 3 and len(other.plans) == 1  # a new pool plans anew
@@ -703,7 +714,7 @@ def test_backend_adds_two_graph_nodes(monkeypatch):
         return run
 
     monkeypatch.setattr(K, "_kernel", fake_kernel)
-    kb = K.KernelBackend("cuda", OpsBackend())
+    kb = K.KernelBackend("cuda", OpsBackend(), selfcheck=False)
     kb._available = True
     pool = _cpu_pool()
     x = mx.random.normal((1, 1, 256))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+import logging
+from typing import Dict, Optional, Protocol
 
 import mlx.core as mx
 
@@ -10,6 +11,9 @@ from ..cache.pool import ExpertPool
 from ..options import BACKENDS
 from .kernels import KernelBackend
 from .ops import OpsBackend
+
+log = logging.getLogger(__name__)
+_WARNED: set = set()  # requested backends that could not run here, warned about once
 
 
 class Backend(Protocol):
@@ -49,4 +53,29 @@ def select_backend(name: Optional[str] = None) -> Backend:
             name = "ops"
     if name == "ops":
         return OpsBackend()
-    return KernelBackend(dialect=name, fallback=OpsBackend())
+    backend = KernelBackend(dialect=name, fallback=OpsBackend())
+    why = backend.unavailable_reason()
+    if why is not None and name not in _WARNED:  # asked for by name: accepted, said once
+        _WARNED.add(name)
+        log.warning("backend %r requested, but %s: plain MLX ops compute the experts", name, why)
+    return backend
+
+
+def backend_report(backend) -> str:
+    """What computes the experts, before any call: ``"metal"``, ``"cuda"``, ``"ops"``, or
+    ``"ops (fallback: <why>)"`` when the requested kernels cannot run here."""
+    report = getattr(backend, "report", None)
+    return report() if callable(report) else str(getattr(backend, "name", type(backend).__name__))
+
+
+def served_summary(served: Dict[str, int], before: str) -> str:
+    """One line for ``served`` (calls per backend that actually computed them, from
+    ``Stats.served_total``): the backend when one served every call, else each with its share
+    of the calls; ``before`` (``backend_report``) while no call was made."""
+    if not served:
+        return before
+    if len(served) == 1:
+        return next(iter(served))
+    total = sum(served.values())
+    parts = sorted(served.items(), key=lambda kv: -kv[1])
+    return "; ".join(f"{name}: {100 * n / total:.0f}% of calls" for name, n in parts)

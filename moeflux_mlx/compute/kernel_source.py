@@ -12,6 +12,9 @@ _CHECKOUT_DIR = Path(__file__).resolve().parents[2] / "metal_kernels"
 PRELUDE = {"metal": "prelude_metal.h", "cuda": "prelude_cuda.cuh"}
 ENTRY = {"metal": "entry_metal.h", "cuda": "entry_cuda.cuh"}
 COMMON = "moe_common.h"
+# stand-ins for Metal's standard library and MLX's preamble: the front-end check of the Metal
+# dialect with clang (compute.metal_frontend), never handed to MLX
+METAL_SHIMS = ("metal_stdlib_shim.h", "mlx_preamble_shim.h")
 SOURCE_FILES = (
     COMMON,
     "glu_body.h",
@@ -26,6 +29,7 @@ SOURCE_FILES = (
     "hint_cuda.cuh",
     *PRELUDE.values(),
     *ENTRY.values(),
+    *METAL_SHIMS,
 )
 
 

@@ -24,10 +24,12 @@ import hashlib
 import logging
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
+from mlx_lm.models.switch_layers import SwiGLU
 
+from . import selfcheck
 from .kernel_source import COMMON, ENTRY, PRELUDE, load_source
 from .ops import is_plain_swiglu
 
@@ -125,18 +127,23 @@ def kernel_name(kind: str, dialect: str, variant: str = "plain") -> str:
 _KERNELS: Dict[tuple, object] = {}
 
 
-def _kernel(kind: str, dialect: str, variant: str = "plain"):
-    key = (kind, dialect, variant)
+def _kernel(kind: str, dialect: str, variant: str = "plain", broken: Optional[str] = None):
+    key = (kind, dialect, variant, broken)
     k = _KERNELS.get(key)
     if k is None:
         header, body = kernel_text(kind, dialect, variant)
+        name = kernel_name(kind, dialect, variant)
+        if broken:
+            header, body = _break_text(broken, header, body)
+            digest = hashlib.sha1((header + "\0" + body).encode()).hexdigest()[:10]
+            name = f"moeflux_{kind}_broken_{broken}_{digest}"
         inputs = _COMBINE_VARIANTS[variant][0] if kind == "combine" else _INPUTS[kind]
         # glu/down read every input through its strides: pools in place (no copy of a strided
         # pool), x and slots as the router hands them over (no node). combine wants row-contiguous.
         contiguous = kind == "combine"
         make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
         k = make(
-            name=kernel_name(kind, dialect, variant),
+            name=name,
             input_names=list(inputs),
             output_names=list(_OUTPUTS[kind]),
             source=body,
@@ -145,6 +152,45 @@ def _kernel(kind: str, dialect: str, variant: str = "plain"):
         )
         _KERNELS[key] = k
     return k
+
+
+# ---------------------------------------------------------------------------------------------
+# Test-only: deliberately broken variants (tests/test_selfcheck.py; the self-check must catch
+# them and fall back to plain ops). Off unless a test turns it on.
+
+BREAK_MODES = ("compile", "wrong", "raise")
+_BREAK: Dict[str, object] = {}
+
+
+def break_variants(
+    mode: Optional[str], match: Optional[Callable[[str, str, dict], bool]] = None
+) -> None:
+    """Test-only switch: from now on, launches of the variants ``match(kind, dialect, template)``
+    selects (every variant: ``match=None``) fail in ``mode``: ``"compile"`` (a kernel text that
+    does not compile), ``"wrong"`` (compiles and runs, computes wrong numbers) or ``"raise"`` (the
+    launch raises). ``mode=None`` turns it off. Launch plans already made keep their kernels."""
+    if mode is not None and mode not in BREAK_MODES:
+        raise ValueError(f"unknown break mode {mode!r}; choose one of {', '.join(BREAK_MODES)}")
+    _BREAK.clear()
+    if mode is not None:
+        _BREAK.update(mode=mode, match=match)
+
+
+def _broken_mode(kind: str, dialect: str, template: dict) -> Optional[str]:
+    if not _BREAK:
+        return None
+    match = _BREAK["match"]
+    if match is None or match(kind, dialect, template):  # type: ignore[operator]
+        return _BREAK["mode"]  # type: ignore[return-value]
+    return None
+
+
+def _break_text(mode: str, header: str, body: str) -> Tuple[str, str]:
+    if mode == "compile":
+        return header, body + "\n  mf_this_is_not_a_statement;\n"
+    if mode == "wrong":  # every accumulation subtracts instead of adds
+        return header + "\n#undef MF_FMA\n#define MF_FMA(a, b, c) ((a) * (b) - (c))\n", body
+    return header, body
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,27 +291,33 @@ class Launch:
     kernel: object
     arrays: List[mx.array]
     kwargs: dict
+    raises: bool = False  # test-only: a deliberately broken variant (``break_variants``)
 
     def __call__(
         self, x: mx.array, slots: mx.array, init_value: Optional[float] = None
     ) -> mx.array:
+        if self.raises:
+            raise RuntimeError("test-only: the launch of a deliberately broken kernel variant")
         return self.kernel(inputs=[x, slots, *self.arrays], init_value=init_value, **self.kwargs)[0]
 
 
-def _prepare(
+def launch_shape(
     kind: str,
     dtype,
-    pool_arrays,
-    lead: Tuple[int, ...],
+    bits: int,
+    group_size: int,
+    in_dim: int,
+    out_dim: int,
     topk: int,
-    bits,
-    group_size,
-    dialect,
-    config,
-    in_dim,
-    out_dim,
-) -> Launch:
-    """``lead``: the leading (token) dims of x and slots; the output is ``[*lead, topk, out_dim]``."""
+    pairs: int,
+    dialect: str,
+    config: Optional[dict] = None,
+) -> Tuple[list, Tuple[int, int, int], Tuple[int, int, int]]:
+    """``(template, grid, threadgroup)`` of one glu/down launch, checked: what ``_prepare`` hands
+    to the kernel, and what ``compute.metal_frontend`` rebuilds the Metal source from.
+
+    Raises:
+        ValueError: a shape, dtype or launch configuration the kernels do not cover."""
     _check_dialect(dialect)
     _check_quant(bits, group_size)
     if in_dim % group_size or in_dim % (128 // bits):
@@ -274,7 +326,6 @@ def _prepare(
         raise ValueError(f"{kind}: activations must be float16/bfloat16/float32, not {dtype}")
     if 4 * (in_dim + _chunks(in_dim, bits)) > SHARED_LIMIT[dialect]:
         raise ValueError(f"{kind}: input dim {in_dim} too large for threadgroup memory")
-    pairs = math.prod(lead) * topk
     cfg = dict(default_config(kind, in_dim, out_dim, bits, pairs), **(config or {}))
     _check_config(kind, cfg, in_dim, bits)
     rows_per_iter = cfg["nw"] * 32 // cfg["lpr"] * cfg.get("nr", 1)
@@ -294,16 +345,39 @@ def _prepare(
     ]
     if kind == "down":
         template.append(("NR", cfg["nr"]))
+    return template, (n_groups * nt, pairs, 1), (nt, 1, 1)
+
+
+def _prepare(
+    kind: str,
+    dtype,
+    pool_arrays,
+    lead: Tuple[int, ...],
+    topk: int,
+    bits,
+    group_size,
+    dialect,
+    config,
+    in_dim,
+    out_dim,
+) -> Launch:
+    """``lead``: the leading (token) dims of x and slots; the output is ``[*lead, topk, out_dim]``."""
+    pairs = math.prod(lead) * topk
+    template, grid, threadgroup = launch_shape(
+        kind, dtype, bits, group_size, in_dim, out_dim, topk, pairs, dialect, config
+    )
+    broken = _broken_mode(kind, dialect, dict(template))
     return Launch(
-        _kernel(kind, dialect),
+        _kernel(kind, dialect, "plain", broken) if broken else _kernel(kind, dialect),
         [pool_arrays[k] for k in _POOL_KEYS[kind]],
         dict(
             template=template,
-            grid=(n_groups * nt, pairs, 1),
-            threadgroup=(nt, 1, 1),
+            grid=grid,
+            threadgroup=threadgroup,
             output_shapes=[(*lead, topk, out_dim)],
             output_dtypes=[dtype],
         ),
+        raises=broken == "raise",
     )
 
 
@@ -458,17 +532,40 @@ def dialect_available(dialect: str) -> bool:
     return mx.cuda.is_available()
 
 
+@dataclass
+class Plan:
+    """What ``KernelBackend`` worked out for one pool and call shape: the two launches, or None
+    (the fallback computes those calls), and what serves them, as stats report it."""
+
+    launches: Optional[Tuple[Launch, Launch]]
+    served: str  # "metal" / "cuda", or "ops (fallback: <why>)"
+
+
+def source_digest(dialect: str) -> str:
+    """A hash of every kernel text of ``dialect``: the self-check's verdicts are kept per hash."""
+    h = hashlib.sha1()
+    for kind, variant in (("glu", "plain"), ("down", "plain")):
+        header, body = kernel_text(kind, dialect, variant)
+        h.update((header + "\0" + body + "\0").encode())
+    return h.hexdigest()[:12]
+
+
 class KernelBackend:
     """Expert computation through the fused kernels; same call as ``compute.ops.OpsBackend``.
 
     ``x [..., H]``, ``slots [..., K]`` -> ``[..., K, H]`` in ``x.dtype``, like ``SwitchGLU``. Whatever
-    the kernels do not cover (see ``route``) goes to ``fallback(x, slots, pool, activation)``."""
+    the kernels do not cover (see ``route``) goes to ``fallback(x, slots, pool, activation)``, and
+    so does every variant that fails its self-check (``compute.selfcheck``: before the kernels
+    serve a new variant, they run once on random inputs of its shape against the fallback).
+    ``last_served`` names what computed the last call (``"metal"``, ``"ops (fallback: ...)"``)."""
 
-    def __init__(self, dialect: str, fallback):
+    def __init__(self, dialect: str, fallback, selfcheck: bool = True):
         _check_dialect(dialect)
         self.dialect = dialect
         self.name = dialect
         self.fallback = fallback
+        self.selfcheck = selfcheck
+        self.last_served = dialect
         self._available: Optional[bool] = None
 
     @property
@@ -477,12 +574,24 @@ class KernelBackend:
             self._available = dialect_available(self.dialect)
         return self._available
 
+    def unavailable_reason(self) -> Optional[str]:
+        if self.available:
+            return None
+        if mx.default_device() != mx.gpu:
+            return f"{self.dialect} kernels not available: MLX's default device is the CPU"
+        return f"{self.dialect} backend not available on this device"
+
+    def report(self) -> str:
+        """What will compute the experts, before any call: the dialect, or ops and why."""
+        why = self.unavailable_reason()
+        return self.dialect if why is None else f"ops (fallback: {why})"
+
     def route(
         self, x: mx.array, slots: mx.array, pool, activation, *, assume_available: bool = False
     ) -> Optional[str]:
         """None when the fused kernels take this call, else why it falls back."""
         if not (assume_available or self.available):
-            return f"{self.dialect} backend not available on this device"
+            return self.unavailable_reason()
         if not pool.is_glu:
             return "not a gated (SwitchGLU) expert pool"
         if not is_plain_swiglu(activation):
@@ -496,9 +605,14 @@ class KernelBackend:
             or q.group_size not in SUPPORTED_GROUPS
         ):
             return f"quantization {q.mode} {q.bits}-bit group {q.group_size} not covered"
+        differ = [p for p in ("gate_proj", "up_proj", "down_proj") if pool.quant(p) != q]
+        if differ:
+            return f"projections {', '.join(differ)} are quantized otherwise (a mixed recipe)"
         a = pool.arrays
         if any(k.endswith(".bias") for k in a):
             return "experts have bias vectors"
+        if any(k.endswith(".global_scale") for k in a):
+            return "experts have a global scale (nvfp4)"
         if x.dtype not in FLOAT_DTYPES:
             return f"activation dtype {x.dtype} not covered"
         if x.ndim < 1 or slots.ndim != x.ndim or tuple(slots.shape[:-1]) != tuple(x.shape[:-1]):
@@ -526,14 +640,15 @@ class KernelBackend:
         plan = pool.plans.get(key, _UNPLANNED)
         if plan is _UNPLANNED:
             plan = pool.plans[key] = self._plan(x, slots, pool, activation)
-        if plan is None:
+        self.last_served = plan.served
+        if plan.launches is None:
             return self.fallback(x, slots, pool, activation)
-        glu, down = plan
+        glu, down = plan.launches
         slots = _slots(slots)
         return down(glu(x, slots), slots)  # two graph nodes per layer, nothing else
 
-    def _plan(self, x, slots, pool, activation) -> Optional[Tuple[Launch, Launch]]:
-        """The two launches for calls shaped like this one, or None: the fallback takes them."""
+    def _plan(self, x, slots, pool, activation) -> Plan:
+        """The two launches for calls shaped like this one, or none: the fallback takes them."""
         why = self.route(x, slots, pool, activation)
         if why is not None:
             log.debug(
@@ -543,7 +658,21 @@ class KernelBackend:
                 slots.shape,
                 why,
             )
-            return None
+            n_tok = math.prod(x.shape[:-1]) if x.ndim else 0
+            if n_tok > MAX_TOKENS and why.endswith(f"(kernels cover 1..{MAX_TOKENS})"):
+                return Plan(None, f"ops (prefill: more than {MAX_TOKENS} tokens)")
+            return Plan(None, f"ops (fallback: {why})")
+        launches = self._launches(pool, x, slots)
+        if self.selfcheck:
+            variant = self.variant(x, slots, pool)
+            check = selfcheck.checker(self.dialect, source_digest(self.dialect))
+            verdict = check.verdict(variant, lambda: self._check(variant, x, slots, pool))
+            if not verdict.ok:
+                short = verdict.error.splitlines()[0][:200] if verdict.error else "failed"
+                return Plan(None, f"ops (fallback: self-check failed for {variant.label}: {short})")
+        return Plan(launches, self.dialect)
+
+    def _launches(self, pool, x, slots) -> Tuple[Launch, Launch]:
         q = pool.quantization
         hid, topk, lead = x.shape[-1], slots.shape[-1], tuple(x.shape[:-1])
         inter = pool.arrays["gate_proj.weight"].shape[1]
@@ -574,3 +703,33 @@ class KernelBackend:
             hid,
         )
         return glu, down
+
+    def variant(self, x: mx.array, slots: mx.array, pool) -> selfcheck.Variant:
+        """The kernel variant that calls shaped like this one launch (the self-check's key)."""
+        q = pool.quantization
+        return selfcheck.Variant(
+            dialect=self.dialect,
+            dtype=selfcheck.dtype_name(x.dtype),
+            scales=selfcheck.dtype_name(pool.arrays["gate_proj.scales"].dtype),
+            slots=selfcheck.dtype_name(_slots(slots).dtype),
+            bits=q.bits,
+            group_size=q.group_size,
+            hidden=x.shape[-1],
+            inter=pool.arrays["gate_proj.weight"].shape[1],
+            topk=slots.shape[-1],
+            tokens=math.prod(x.shape[:-1]),
+        )
+
+    def _check(self, variant: selfcheck.Variant, x: mx.array, slots: mx.array, pool) -> float:
+        """Run the launches of this variant once on random experts and inputs of the layer's
+        shape, outputs poisoned with NaN, and compare with the fallback on the same: the
+        relative error, or ``SelfCheckMismatch`` / whatever the kernels raised."""
+        test_pool = selfcheck.random_pool_like(pool, variant)
+        xs, ss = selfcheck.random_inputs(
+            variant, tuple(x.shape), tuple(slots.shape), selfcheck.CHECK_SLOTS
+        )
+        glu, down = self._launches(test_pool, xs, ss)
+        nan = float("nan")
+        out = down(glu(xs, ss, nan), ss, nan)
+        ref = self.fallback(xs, ss, test_pool, SwiGLU())
+        return selfcheck.relative_error(out, ref, variant.dtype)

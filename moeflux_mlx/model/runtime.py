@@ -7,11 +7,12 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+from ..cache import wired
 from ..cache.budget import BudgetCache, slots_per_layer
 from ..cache.pool import DeviceStaging
 from ..cache.protocol import ExpertCache
 from ..cache.staging import StagingCache
-from ..compute.backend import Backend, select_backend
+from ..compute.backend import Backend, backend_report, select_backend, served_summary
 from ..cuda import runtime as cuda_runtime
 from ..cuda.table_cache import TableCache, table_layers
 from ..errors import ModelClosedError
@@ -57,6 +58,12 @@ def make_cache(
         DeviceWaitError: the device-side table's miss server did not start.
     """
     budget_bytes = parse_budget(options.cache_budget, layout.total_expert_bytes)
+    # on Metal: pools + staging within the recommended working set, else macOS may page them out
+    budget_bytes, note = wired.fit_budget(
+        budget_bytes, wired.staging_bytes_estimate(layout), wired.MetalMemory().working_set()
+    )
+    if note:
+        log.warning("expert cache budget %s", note)
     staging = (
         DeviceStaging(cuda_runtime.host_array)
         if cuda_runtime.device_slot_writes(options.slot_writes)
@@ -100,6 +107,10 @@ class StreamingRuntime:
         self._stats = Stats()
         self.backend: Backend = select_backend(options.backend)
         self.cache: ExpertCache = make_cache(store, layout, options, self._stats)
+        # Metal: the slots and staging stay resident (wired) while the model is open
+        self.wiring = wired.Wiring(
+            int(getattr(self.cache, "capacity_bytes", 0)) + wired.staging_bytes_estimate(layout)
+        )
         # where each forward pass checks what the miss server or the GPU ran into (once per pass:
         # decode is host-bound, and the per-layer check cost more than the lookup)
         self.first_layer = min(layout.layers) if layout.layers else None
@@ -110,13 +121,20 @@ class StreamingRuntime:
         return self._stats
 
     def stats_dict(self) -> dict:
-        """The counters (``Stats.to_dict``) and what served them: I/O mode, cache, backend."""
+        """The counters (``Stats.to_dict``) and what served them: I/O mode, cache, backend.
+
+        ``backend`` is what actually computed the experts: before any call, what will
+        (``"metal"``, ``"ops"``, ``"ops (fallback: <why>)"``); after calls, the backend that
+        served them all, else each with its share (kernels for decode, ops for prefill, or ops
+        for a variant that failed its self-check). ``layers[i]["backend"]`` counts calls per
+        backend for layer ``i``; ``backend_requested`` is the option's value resolved."""
         self.cache.settle(self._stats)  # what the miss server read is counted when it is asked
         d = self._stats.to_dict()
         d.update(
             io_mode=self.store.io_mode,
             cache=self.cache.name,
-            backend=self.backend.name,
+            backend=served_summary(d["served"], backend_report(self.backend)),
+            backend_requested=self.backend.name,
             prefetch=self.options.prefetch,
             device_table=self.cache.name == "table",
         )
@@ -133,8 +151,11 @@ class StreamingRuntime:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.cache.close()
-            self.store.close()
+            try:
+                self.cache.close()
+                self.store.close()
+            finally:
+                self.wiring.close()
 
     def __enter__(self):
         return self

@@ -32,7 +32,11 @@ class StreamingSwitchGLU(nn.Module):
         stats = rt.stats.layer(self.layer)
         slots, pool = rt.cache.lookup(self.layer, x, indices, stats)
         t0 = time.perf_counter()
-        out = rt.backend(x, slots, pool, self.activation)
+        backend = rt.backend
+        out = backend(x, slots, pool, self.activation)
+        served = rt.stats.served_in(self.layer)  # what actually computed it (fallbacks included)
+        name = getattr(backend, "last_served", None) or backend.name
+        served[name] = served.get(name, 0) + 1
         rt.cache.computed(out)
         stats.compute_s += time.perf_counter() - t0
         return out

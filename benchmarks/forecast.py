@@ -1,0 +1,151 @@
+"""Check ``moeflux-mlx doctor``'s decode forecast against measured decode.
+
+The forecast (``moeflux_mlx.commands.doctor.forecast``) is built only from what doctor
+measures or reads: the model's expert bytes per token, the disk's read bandwidth (cold and
+warm, ``benchmark.pagecache.read_bandwidth``), a hit rate estimated from the budget (a layer
+holding n of E experts: n / E), and the decode time per token measured with every expert
+resident. This script then measures decode at three budgets, with warm reads (page cache) and
+with cold reads (``pread``, the page cache dropped every millisecond), and prints and writes
+a forecast-versus-measured table. Goal: within +-30%.
+
+    python benchmarks/forecast.py                    # qwen3_moe "medium", float32, built once
+    python benchmarks/forecast.py --model DIR --label h100
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from moeflux_mlx.benchmark.pagecache import read_bandwidth  # noqa: E402
+from moeflux_mlx.commands.doctor import forecast, measure_decode, top_k_of  # noqa: E402
+from moeflux_mlx.format.checkpoint import expert_layout, is_packed  # noqa: E402
+from moeflux_mlx.format.convert import convert  # noqa: E402
+from moeflux_mlx.testing import synth  # noqa: E402
+
+BUDGETS = (0.25, 0.5, 0.75)
+
+
+def _model(args) -> Path:
+    if args.model:
+        return Path(args.model)
+    root = Path(args.workdir)
+    packed = root / f"{args.size}-{args.dtype}-packed"
+    if not (packed / "config.json").is_file():
+        src = synth.build_checkpoint(
+            root / f"{args.size}-{args.dtype}", "qwen3_moe", args.size, seed=0, dtype=args.dtype
+        )
+        convert(src, packed, progress=False)
+    return packed
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="a converted directory or checkpoint (default: a synth model)")
+    p.add_argument("--size", default="medium", choices=("small", "medium"))
+    p.add_argument("--dtype", default="float32", help="activation dtype of the synth model")
+    p.add_argument("--workdir", default="/tmp/moeflux-forecast")
+    p.add_argument("--tokens", type=int, default=24, help="decode tokens per measurement")
+    p.add_argument("--label", default="cpu2", help="machine label for the results file name")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="markdown file (default: benchmarks/results/<date>-<label>-forecast.md)",
+    )
+    args = p.parse_args(argv)
+    path = _model(args)
+    layout = expert_layout(path)
+    total, k = layout.total_expert_bytes, top_k_of(path)
+    print(
+        f"model {path}: {total / 1e6:.1f} MB of experts, top-{k}, {len(layout.layers)} MoE layers",
+        flush=True,
+    )
+
+    cold_bw, warm_bw = read_bandwidth(path)
+    print(
+        f"read bandwidth: cold {cold_bw / 1e9:.2f} GB/s, warm {warm_bw / 1e9:.2f} GB/s", flush=True
+    )
+    s_res, io_res, st = measure_decode(path, "all", args.tokens, expert_io="pread")
+    compute = s_res - io_res
+    resident_backend = st["backend"]
+    routed = sum(k * lay.blob_size for lay in layout.layers.values())
+    print(
+        f"resident: {1 / s_res:.2f} tok/s ({1e3 * compute:.1f} ms/token; backend {st['backend']})",
+        flush=True,
+    )
+
+    rows = []
+    for reads, bw in (("warm", warm_bw), ("cold", cold_bw)):
+        for f in BUDGETS:
+            budget = int(f * total)
+            fc = forecast(layout, k, budget, bw, compute)
+            s_tok, io_tok, st = measure_decode(
+                path, budget, args.tokens, cold=reads == "cold", expert_io="pread"
+            )
+            t = st["total"]
+            n = st["decode_tokens"]
+            mb = t["bytes_read"] / max(n, 1) / 1e6
+            hit = t["hit_rate"]
+            measured = 1 / s_tok
+            err = (fc.tok_s - measured) / measured
+            rows.append(
+                (
+                    f"{f:.0%}", reads, f"{fc.hit_rate:.0%}", f"{hit:.0%}" if hit is not None else "-",
+                    f"{fc.miss_bytes_per_token / 1e6:.1f}", f"{mb:.1f}",
+                    f"{1e3 * fc.io_s_per_token:.1f}", f"{1e3 * io_tok:.1f}",
+                    f"{fc.tok_s:.2f}", f"{measured:.2f}", f"{100 * err:+.0f}%",
+                )
+            )  # fmt: skip
+            print(" | ".join(rows[-1]), flush=True)
+
+    head = (
+        "budget", "reads", "hit rate forecast", "hit rate measured", "MB/token forecast",
+        "MB/token measured", "read ms/token forecast", "read+upload ms/token measured",
+        "tok/s forecast", "tok/s measured", "error",
+    )  # fmt: skip
+    errors = [abs(float(r[-1].rstrip("%"))) for r in rows]
+    within = sum(e <= 30 for e in errors)
+    lines = [
+        f"# Decode forecast vs measured ({args.label}, {time.strftime('%Y-%m-%d')})",
+        "",
+        f"`python benchmarks/forecast.py {' '.join(argv if argv is not None else sys.argv[1:])}`".replace(
+            " `", "`"
+        ),
+        "",
+        f"- machine: {platform.platform()}, {platform.machine()}; MLX {mx.__version__}, device {mx.default_device()}",
+        f"- model: `{path}` ({'converted' if is_packed(path) else 'checkpoint'}): {total / 1e6:.1f} MB of experts, "
+        f"{len(layout.layers)} MoE layers, top-{k}, {routed / 1e6:.1f} MB of experts routed per token",
+        "- read bandwidth (random expert-sized reads, 8 threads): "
+        f"cold {cold_bw / 1e9:.2f} GB/s, warm {warm_bw / 1e9:.2f} GB/s",
+        f"- every expert resident: {1 / s_res:.2f} tok/s, {1e3 * compute:.1f} ms/token besides expert reads "
+        f"(the forecast's compute term); backend {resident_backend}",
+        f"- {args.tokens} decode tokens per measurement after 4 warm-up tokens; `pread` reads; cold = page cache "
+        "dropped every millisecond while decoding",
+        "",
+        "| " + " | ".join(head) + " |",
+        "| " + " | ".join("---" for _ in head) + " |",
+        *("| " + " | ".join(r) + " |" for r in rows),
+        "",
+        f"Within +-30%: {within} of {len(rows)} (largest error {max(errors):.0f}%).",
+        "",
+    ]
+    out = (
+        Path(args.out)
+        if args.out
+        else Path(__file__).parent
+        / "results"
+        / (f"{time.strftime('%Y-%m-%d')}-{args.label}-forecast.md")
+    )
+    out.write_text("\n".join(lines))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

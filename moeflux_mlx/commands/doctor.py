@@ -1,0 +1,468 @@
+"""``moeflux-mlx doctor [MODEL]``: what to paste into a bug report, and what to choose a cache
+budget by.
+
+Prints the platform, MLX / mlx-lm versions, the device and the backend that will compute the
+experts, the kernels' self-check verdicts on this machine; RAM, and on Metal the recommended
+working set and the wired limit. With a MODEL: the RAM gate's choice, a recommended cache budget
+(one that fits the working set), a short measured read bandwidth of the disk holding the experts
+(cold: page cache dropped first; warm: the same reads again), the decode time per token with
+the budget's experts resident, and a forecast of decode tok/s at several budgets:
+
+    t(budget) = t_resident + (expert bytes a token misses at that budget) / read bandwidth
+
+where a token misses, in each MoE layer, top-k x blob bytes x (1 - hit rate), and the hit rate of
+a layer holding n of its E experts is estimated as n / E (LRU under routing that is uniform over
+the experts: trained routers are skewed, so real hit rates are higher and the forecast errs
+slow). ``benchmarks/forecast.py`` checks the forecast against measured decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import psutil
+
+from .. import __version__
+from ..benchmark.pagecache import read_bandwidth
+from ..cache import wired
+from ..cache.budget import slots_per_layer
+from ..compute import kernels as K
+from ..compute import selfcheck
+from ..compute.backend import backend_report, select_backend
+from ..format.checkpoint import expert_layout, read_config
+from ..format.layout import ModelLayout
+from ..format.safetensors import index_directory
+from ..io.store import RAM_FRACTION, select_expert_io
+from ..model.load import load
+from ..options import DEFAULT_RAM_FRACTION, LoadOptions, parse_budget
+from .common import add_load_args, command_parser, fmt_bytes, load_kwargs, main_for
+
+DESCRIPTION = (
+    "what to paste into a bug report: platform, versions, device, kernel self-check, memory; "
+    "with a MODEL, disk bandwidth, a recommended cache budget and a decode forecast"
+)
+DECODE_TOKENS = 16
+FORECAST_FRACTIONS = (0.0, 0.25, 0.5, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the forecast
+
+
+@dataclass
+class Forecast:
+    budget_bytes: int
+    hit_rate: float  # estimated, over the experts a token routes
+    miss_bytes_per_token: float
+    io_s_per_token: float
+    compute_s_per_token: float
+
+    @property
+    def s_per_token(self) -> float:
+        return self.compute_s_per_token + self.io_s_per_token
+
+    @property
+    def tok_s(self) -> float:
+        return 1.0 / self.s_per_token if self.s_per_token > 0 else float("inf")
+
+
+def estimated_hit_rates(layout: ModelLayout, budget_bytes: int) -> Dict[int, float]:
+    """Per MoE layer, the share of its experts the budget keeps resident (``slots_per_layer``):
+    the hit rate of an LRU cache under routing uniform over the experts."""
+    n = slots_per_layer(layout, budget_bytes)
+    return {i: n[i] / lay.num_experts for i, lay in layout.layers.items()}
+
+
+def forecast(
+    layout: ModelLayout,
+    top_k: int,
+    budget_bytes: int,
+    bandwidth: float,
+    compute_s_per_token: float,
+) -> Forecast:
+    """Decode time per token at ``budget_bytes``: ``compute_s_per_token`` (measured with the
+    experts resident) plus the bytes a token misses over ``bandwidth`` (bytes/s)."""
+    hits = estimated_hit_rates(layout, budget_bytes)
+    routed = sum(top_k * lay.blob_size for lay in layout.layers.values())
+    miss = sum(top_k * lay.blob_size * (1 - hits[i]) for i, lay in layout.layers.items())
+    return Forecast(
+        budget_bytes,
+        1 - miss / routed if routed else 1.0,
+        miss,
+        miss / bandwidth if bandwidth > 0 else float("inf"),
+        compute_s_per_token,
+    )
+
+
+def top_k_of(path: Path) -> int:
+    config = read_config(path)
+    text = config.get("text_config", config)
+    return int(text.get("num_experts_per_tok") or text.get("moe_topk") or text.get("top_k") or 1)
+
+
+def dense_bytes(path: Path) -> int:
+    """Bytes of the non-expert weights (from the safetensors headers; 0 if unknown)."""
+    try:
+        tensors = index_directory(path)
+    except Exception:  # noqa: BLE001 - a bug report should still print the rest
+        return 0
+    layout = expert_layout(path)
+    total = sum(r.nbytes for r in tensors.values())
+    return max(0, total - (0 if (path / "packed_experts").is_dir() else layout.total_expert_bytes))
+
+
+def measure_decode(
+    path: Path, budget, tokens: int = DECODE_TOKENS, cold: bool = False, **options
+) -> Tuple[float, float, dict]:
+    """Greedy decode of ``tokens`` tokens after a short warm-up: ``(seconds per token, of which
+    reading and uploading experts, stats_dict)``. Reads are warm (the page cache keeps what the
+    warm-up read) unless ``cold``: then the page cache is dropped every millisecond while
+    decoding (``pread`` reads only: mapped pages cannot be dropped)."""
+    from mlx_lm.generate import generate_step
+
+    from ..benchmark.pagecache import PageCacheDropper, expert_files
+
+    model, _ = load(path, cache_budget=budget, **options)
+    rt = model.moeflux
+    try:
+        prompt = mx.array([1, 2, 3, 4, 5, 6, 7, 8])
+
+        def run(n):
+            gen = generate_step(prompt, model, max_tokens=n + 1)
+            next(gen)  # prefill
+            mx.synchronize()
+            rt.reset_stats()
+            count, t0 = 0, time.perf_counter()
+            for _tok, _ in gen:
+                count += 1
+            mx.synchronize()
+            return (time.perf_counter() - t0) / max(count, 1), count
+
+        run(4)  # warm-up: kernels of these shapes, allocator, whole-layer fills
+        dropping = (
+            PageCacheDropper(expert_files(path))
+            if cold and rt.store.io_mode == "pread"
+            else contextlib.nullcontext()
+        )
+        with dropping:
+            per_token, n = run(tokens)
+        t = rt.stats.total()
+        st = rt.stats_dict()
+        st["decode_tokens"] = n
+        return per_token, (t.io_s + t.upload_s) / max(n, 1), st
+    finally:
+        rt.close()
+
+
+def disk_bandwidth(path: Path, reads: int = 256, threads: int = 8) -> Tuple[float, float]:
+    """``(cold, warm)`` bytes/s of random expert-sized reads of the model's expert files
+    (``benchmark.pagecache.read_bandwidth``). Where the page cache cannot be dropped per file
+    (macOS has no ``posix_fadvise``), the cold pass reads with caching off (``F_NOCACHE``)."""
+    if hasattr(os, "posix_fadvise"):
+        return read_bandwidth(path, reads, threads)
+    import fcntl
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..benchmark.pagecache import expert_files
+
+    files = expert_files(path)
+    blob = next(iter(expert_layout(path).layers.values())).blob_size
+    rng = random.Random(0)
+    jobs = []
+    for _ in range(reads):
+        f = rng.choice(files)
+        jobs.append((f, rng.randrange(0, max(1, f.stat().st_size - blob)) // 4096 * 4096))
+    rates = []
+    for nocache in (True, False):
+        fds = {f: os.open(f, os.O_RDONLY) for f in files}
+        try:
+            if nocache:
+                for fd in fds.values():
+                    try:
+                        fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", 48), 1)
+                    except OSError:  # not macOS: the "cold" pass may be warm
+                        pass
+
+            def one(job, fds=fds):
+                return os.preadv(fds[job[0]], [bytearray(blob)], job[1])
+
+            with ThreadPoolExecutor(threads) as pool:
+                t = time.perf_counter()
+                total = sum(pool.map(one, jobs))
+                rates.append(total / (time.perf_counter() - t))
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+    return rates[0], rates[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# the report
+
+
+def _versions() -> List[Tuple[str, str]]:
+    import mlx_lm
+
+    return [
+        (
+            "platform",
+            f"{platform.platform()} ({platform.machine()}), Python {platform.python_version()}",
+        ),
+        ("moeflux-mlx", __version__),
+        ("mlx", mx.__version__),
+        ("mlx-lm", getattr(mlx_lm, "__version__", "?")),
+    ]
+
+
+def _device_rows(given: dict) -> List[Tuple[str, str]]:
+    rows = [("default device", str(mx.default_device()))]
+    metal, cuda = mx.metal.is_available(), mx.cuda.is_available()
+    rows.append(
+        (
+            "GPU backends",
+            ", ".join(n for n, ok in (("metal", metal), ("cuda", cuda)) if ok)
+            or "none (CPU build)",
+        )
+    )
+    desc = selfcheck.device_description()
+    if desc:
+        rows.append(("device name", desc))
+    options = LoadOptions.resolve(**given)
+    try:
+        backend = backend_report(select_backend(options.backend))
+    except Exception as e:  # noqa: BLE001 - a bug report prints what it can
+        backend = f"unavailable ({type(e).__name__}: {e})"
+    rows.append(("backend", f"{backend} (requested: {options.backend})"))
+    return rows
+
+
+def _selfcheck_rows() -> List[Tuple[str, str]]:
+    rows = []
+    for dialect in K.DIALECTS:
+        path = selfcheck.cache_file(dialect, K.source_digest(dialect))
+        check = selfcheck.SelfCheck(dialect, K.source_digest(dialect))
+        verdicts = check._load()
+        if not verdicts:
+            if K.dialect_available(dialect):
+                rows.append(
+                    (f"self-check ({dialect})", f"no variant checked yet on this machine ({path})")
+                )
+            continue
+        failed = {k: v for k, v in verdicts.items() if not v.get("ok")}
+        rows.append(
+            (
+                f"self-check ({dialect})",
+                f"{len(verdicts) - len(failed)} of {len(verdicts)} variants passed ({path})",
+            )
+        )
+        for label, v in failed.items():
+            rows.append(("  failed", f"{label}: {v.get('error', '')[:300]}"))
+    if not rows:
+        rows.append(
+            ("self-check", "nothing to check: no Metal or CUDA kernels run here (plain MLX ops)")
+        )
+    return rows
+
+
+def _memory_rows() -> List[Tuple[str, str]]:
+    ram = psutil.virtual_memory()
+    rows = [("RAM", f"{fmt_bytes(ram.total)} total, {fmt_bytes(ram.available)} available")]
+    dev = wired.MetalMemory()
+    if dev.available():
+        ws = dev.working_set()
+        rows.append(("recommended working set", fmt_bytes(ws) if ws else "?"))
+        limit = dev.wired_limit()
+        rows.append(
+            (
+                "wired limit",
+                "0 (nothing wired until mlx-lm generates)" if not limit else fmt_bytes(limit),
+            )
+        )
+    else:
+        rows.append(("wired memory", "n/a (Metal only)"))
+    return rows
+
+
+def recommended_budget(total_experts: int, dense: int) -> Tuple[int, str]:
+    """The default budget (every expert if they fit in 0.4 x RAM, else 0.4 x RAM), fitted into
+    the recommended working set on Metal (``cache.wired.fit_budget``)."""
+    budget = parse_budget(None, total_experts)
+    why = (
+        "every expert"
+        if budget >= total_experts
+        else f"{DEFAULT_RAM_FRACTION} x RAM (the experts do not fit in it)"
+    )
+    dev = wired.MetalMemory()
+    fitted, note = wired.fit_budget(
+        budget, wired.staging_bytes_estimate(None), dev.working_set(), dense
+    )
+    if note:
+        why += f"; {note}"
+    return fitted, why
+
+
+def _model_rows(path: Path, given: dict, bench: bool) -> List[Tuple[str, str]]:
+    layout = expert_layout(path)
+    total = layout.total_expert_bytes
+    k = top_k_of(path)
+    dense = dense_bytes(path)
+    per_token = sum(k * lay.blob_size for lay in layout.layers.values())
+    options = LoadOptions.resolve(**given)
+    mode = select_expert_io(total, options.expert_io)
+    ram = psutil.virtual_memory().total
+    rows = [
+        ("model", str(path)),
+        (
+            "experts",
+            f"{fmt_bytes(total)} in {len(layout.layers)} MoE layers; dense weights {fmt_bytes(dense)}",
+        ),
+        ("expert bytes per token", f"{fmt_bytes(per_token)} (top-{k} of each MoE layer)"),
+        (
+            "RAM gate",
+            f"{mode} (experts {fmt_bytes(total)} vs {RAM_FRACTION} x RAM = {fmt_bytes(RAM_FRACTION * ram)})",
+        ),
+    ]
+    budget, why = recommended_budget(total, dense)
+    rows.append(
+        (
+            "recommended cache budget",
+            f"{fmt_bytes(budget)} ({100 * budget / max(total, 1):.0f}% of the experts: {why})",
+        )
+    )
+    if not bench:
+        return rows
+    t0 = time.perf_counter()
+    cold, warm = disk_bandwidth(path)
+    rows.append(
+        (
+            "read bandwidth",
+            f"cold {cold / 1e9:.2f} GB/s, warm (page cache) {warm / 1e9:.2f} GB/s ({time.perf_counter() - t0:.1f} s)",
+        )
+    )
+    fits_page_cache = total + budget < psutil.virtual_memory().available
+    bw = warm if fits_page_cache else cold
+    basis = (
+        "the experts fit in the page cache beside the budget"
+        if fits_page_cache
+        else "the experts exceed the free RAM"
+    )
+    resident_budget = "all" if budget >= total else budget
+    s_tok, io_tok, st = measure_decode(
+        path, resident_budget, **{k2: v for k2, v in given.items() if k2 != "cache_budget"}
+    )
+    compute = s_tok - io_tok
+    rows.append(
+        (
+            "decode, measured",
+            f"{1 / s_tok:.1f} tok/s at budget {fmt_bytes(budget)} ({1e3 * compute:.1f} ms/token "
+            f"besides expert reads; backend {st['backend']})",
+        )
+    )
+    rows.append(
+        (
+            "forecast basis",
+            f"{'warm' if fits_page_cache else 'cold'} reads at {bw / 1e9:.2f} GB/s ({basis})",
+        )
+    )
+    fractions = sorted({*FORECAST_FRACTIONS, min(1.0, budget / max(total, 1))})
+    for f in fractions:
+        fc = forecast(layout, k, int(f * total), bw, compute)
+        rows.append(
+            (
+                f"  forecast at {f:.0%}",
+                f"{fc.tok_s:.1f} tok/s (hit rate ~{fc.hit_rate:.0%}, "
+                f"{fmt_bytes(fc.miss_bytes_per_token)} read per token)",
+            )
+        )
+    return rows
+
+
+def check_model_kernels(path: Path, given: dict) -> None:
+    """Run the kernels' self-check for the model's layer shapes (one token per call, the
+    activation dtype of the experts' scales), where kernels run here: its verdicts then show
+    in the report."""
+    from mlx_lm.models.switch_layers import SwiGLU
+
+    from ..cache.pool import SlotPool
+
+    backend = select_backend(LoadOptions.resolve(**given).backend)
+    if not isinstance(backend, K.KernelBackend) or not backend.available:
+        return
+    layout = expert_layout(path)
+    k = top_k_of(path)
+    seen = set()
+    for lay in layout.layers.values():
+        key = tuple(sorted((c.name, c.shape, c.dtype) for c in lay.components))
+        if key in seen:
+            continue
+        seen.add(key)
+        if lay.quantization is None:
+            continue
+        pool = SlotPool(lay, max(k, 2)).pool
+        if not pool.is_glu:
+            continue
+        dtype = pool.arrays["gate_proj.scales"].dtype
+        x = mx.zeros(
+            (1, 1, pool.arrays["gate_proj.weight"].shape[-1] * 32 // lay.quantization.bits), dtype
+        )
+        slots = mx.arange(k, dtype=mx.uint32).reshape(1, 1, k) % max(k, 2)
+        mx.eval(backend(x, slots, pool, SwiGLU()))
+
+
+def describe(model: Optional[Path], given: dict, bench: bool = True) -> List[Tuple[str, str]]:
+    if model is not None:
+        try:
+            check_model_kernels(model, given)
+        except Exception as e:  # noqa: BLE001 - the report goes on; the error is in it
+            print(f"self-check of the model's kernels could not run: {type(e).__name__}: {e}")
+    rows = _versions() + _device_rows(given) + _selfcheck_rows() + _memory_rows()
+    if model is not None:
+        rows += _model_rows(model, given, bench)
+    else:
+        rows.append(
+            ("model", "none given: pass a MODEL for the disk, the budget and a decode forecast")
+        )
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    path = Path(args.model_path).expanduser() if args.model_path else None
+    rows = describe(path, load_kwargs(args), bench=not args.no_bench)
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}", flush=True)
+    return 0
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model_path",
+        metavar="MODEL",
+        nargs="?",
+        default=None,
+        help="converted directory or mlx-lm checkpoint (optional)",
+    )
+    p.add_argument(
+        "--no-bench",
+        action="store_true",
+        help="skip the read-bandwidth and decode measurements (and the forecast)",
+    )
+    add_load_args(p)
+
+
+def main(argv: Optional[list] = None) -> int:
+    return main_for(command_parser("doctor", DESCRIPTION, add_args), run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""``moeflux-mlx doctor``: the report, the recommended budget and the decode forecast."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from moeflux_mlx import cli
+from moeflux_mlx.cache import wired
+from moeflux_mlx.commands import doctor
+from moeflux_mlx.format.checkpoint import expert_layout
+from moeflux_mlx.testing import synth
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return synth.build_checkpoint(
+        tmp_path_factory.mktemp("doctor") / "m", "qwen3_moe", "tiny", seed=4
+    )
+
+
+def _rows(out):
+    return dict(re.findall(r"^(\S.*?|  \S.*?)\s{2,}(.*)$", out, re.M))
+
+
+def test_forecast_arithmetic(model):
+    layout = expert_layout(model)
+    k = doctor.top_k_of(model)
+    assert k == 4
+    routed = sum(k * lay.blob_size for lay in layout.layers.values())
+    none = doctor.forecast(layout, k, 0, 1e9, 0.010)
+    assert none.hit_rate == 0 and none.miss_bytes_per_token == routed
+    assert none.s_per_token == pytest.approx(0.010 + routed / 1e9)
+    full = doctor.forecast(layout, k, layout.total_expert_bytes, 1e9, 0.010)
+    assert full.hit_rate == 1 and full.io_s_per_token == 0 and full.tok_s == pytest.approx(100)
+    half = doctor.forecast(layout, k, layout.total_expert_bytes // 2, 1e9, 0.010)
+    assert 0.4 < half.hit_rate < 0.6
+    rates = doctor.estimated_hit_rates(layout, layout.total_expert_bytes // 2)
+    assert set(rates) == set(layout.layers) and all(0.4 < r <= 0.5 for r in rates.values())
+
+
+def test_doctor_without_model(capsys):
+    assert cli.main(["doctor"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    for key in ("platform", "mlx", "mlx-lm", "default device", "backend", "RAM"):
+        assert key in rows, key
+    assert rows["backend"].startswith("ops")
+    assert "MODEL" in rows["model"]
+
+
+def test_doctor_backend_metal_on_cpu_reports_ops(capsys):
+    assert cli.main(["doctor", "--backend", "metal"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    if rows["GPU backends"].startswith("none"):
+        assert rows["backend"].startswith("ops (fallback: metal kernels not available")
+
+
+def test_doctor_with_model_measures_and_forecasts(model, capsys):
+    assert cli.main(["doctor", str(model)]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert rows["recommended cache budget"].endswith("every expert)")
+    assert re.match(r"cold [\d.]+ GB/s, warm \(page cache\) [\d.]+ GB/s", rows["read bandwidth"])
+    assert re.match(r"[\d.]+ tok/s at budget", rows["decode, measured"])
+    fc = [k for k in rows if k.strip().startswith("forecast at")]
+    assert [k.strip() for k in fc] == [
+        "forecast at 0%",
+        "forecast at 25%",
+        "forecast at 50%",
+        "forecast at 100%",
+    ]
+    assert "hit rate ~100%" in rows["  forecast at 100%"]
+
+
+def test_recommended_budget_fits_the_working_set(monkeypatch, model):
+    class Mac(wired.MetalMemory):
+        def available(self):
+            return True
+
+        def working_set(self):
+            return 10**9
+
+    monkeypatch.setattr(wired, "MetalMemory", Mac)
+    budget, why = doctor.recommended_budget(5 * 10**9, 10**8)
+    assert budget == int(0.9 * 10**9) - wired.STAGING_CAP - 10**8 and "working set" in why
+
+
+def test_disk_bandwidth_without_fadvise(monkeypatch, model):
+    monkeypatch.delattr(os, "posix_fadvise")
+    cold, warm = doctor.disk_bandwidth(model, reads=8, threads=2)
+    assert cold > 0 and warm > 0
+
+
+def test_doctor_runs_the_model_kernels_self_check(model, monkeypatch, tmp_path, capsys):
+    """Where kernels run, doctor checks the model's variants and prints the verdicts (here the
+    kernels are CPU fakes computing the ops path, one variant broken)."""
+    import mlx.core as mx
+    from mlx_lm.models.switch_layers import SwiGLU
+
+    from moeflux_mlx.compute import kernels as K
+    from moeflux_mlx.compute import selfcheck as S
+
+    def fake(kind, dialect, variant="plain", broken=None):
+        def run(inputs, template, output_shapes, output_dtypes, init_value=None, **kw):
+            t = dict(template)
+            q = dict(group_size=t["GSZ"], bits=t["BITS"], transpose=True)
+            if kind == "glu":
+                x = mx.expand_dims(inputs[0], (-2, -3))
+                g = mx.gather_qmm(x, *inputs[2:5], rhs_indices=inputs[1], **q)
+                u = mx.gather_qmm(x, *inputs[5:8], rhs_indices=inputs[1], **q)
+                return [SwiGLU()(u, g).squeeze(-2)]
+            h = mx.expand_dims(inputs[0], -2)
+            out = mx.gather_qmm(h, *inputs[2:5], rhs_indices=inputs[1], **q).squeeze(-2)
+            return [out * (2 if broken else 1)]
+
+        return run
+
+    monkeypatch.setattr(S, "CACHE_DIR", tmp_path / "sc")
+    monkeypatch.setattr(K, "_kernel", fake)
+    monkeypatch.setattr(K, "dialect_available", lambda d: d == "metal")
+    S.forget()
+    try:
+        assert cli.main(["doctor", str(model), "--no-bench", "--backend", "metal"]) == 0
+        rows = _rows(capsys.readouterr().out)
+        assert rows["backend"] == "metal (requested: metal)"
+        assert rows["self-check (metal)"].startswith("1 of 1 variants passed")
+        S.forget()
+        K.break_variants("wrong")
+        monkeypatch.setattr(S, "CACHE_DIR", tmp_path / "sc2")
+        assert cli.main(["doctor", str(model), "--no-bench", "--backend", "metal"]) == 0
+        out = capsys.readouterr().out
+        rows = _rows(out)
+        assert rows["self-check (metal)"].startswith("0 of 1 variants passed")
+        assert "mismatch" in rows["  failed"] and "metal glu+down" in rows["  failed"]
+    finally:
+        K.break_variants(None)
+        S.forget()
