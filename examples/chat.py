@@ -4,7 +4,8 @@
     python examples/chat.py --model PATH           # a converted dir or an mlx-lm MoE checkpoint
     python examples/chat.py --model PATH --prompt "Hello"   # one reply, then exit
 
-/reset starts a new conversation; /quit, q or Ctrl-D exits. See `--help` for sampling
+/reset starts a new conversation; /quit, q or Ctrl-D exits; another /word is taken for a
+mistyped command, not sent (//text sends /text). See `--help` for sampling
 (--temp, --top-p, --max-tokens, --seed) and streaming (--expert-io, --backend, --threads) options.
 Same as `moeflux-mlx chat`. Needs moeflux-mlx importable (`pip install -e .`, or PYTHONPATH=.).
 """

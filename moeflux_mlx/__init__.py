@@ -23,6 +23,7 @@ from .errors import (
     LayoutError,
     ModelClosedError,
     MoefluxError,
+    OptionError,
     SafetensorsHeaderError,
     UnsupportedQuantizationError,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "ModelClosedError",
     "DeviceWaitError",
     "DeviceSetupError",
+    "OptionError",
 ]
 
 

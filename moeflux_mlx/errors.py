@@ -13,6 +13,7 @@
     ├── ModelClosedError (RuntimeError)     the model was closed
     ├── DeviceWaitError (RuntimeError)      the GPU gave up waiting for the miss server, or it died
     ├── DeviceSetupError (RuntimeError)     CUDA's runtime refused pinned, mapped memory
+    ├── OptionError (ValueError)            a load option or its MOEFLUX_* variable is not one it takes
     └── ConvertError                        convert could not finish (DST exists, write failed, verify)
 """
 
@@ -66,6 +67,11 @@ class DeviceWaitError(MoefluxError, RuntimeError):
 class DeviceSetupError(MoefluxError, RuntimeError):
     """CUDA's runtime refused to page-lock or map shared memory for the GPU (the device-side
     table's control block and staging)."""
+
+
+class OptionError(MoefluxError, ValueError):
+    """A load option's value (an argument, or its ``MOEFLUX_*`` variable) is not one it takes.
+    The message names the option or the variable and what it expects."""
 
 
 class ConvertError(MoefluxError):

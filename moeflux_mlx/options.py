@@ -3,25 +3,35 @@
 An option given as an argument wins over its ``MOEFLUX_*`` variable, which wins over the
 default. This module is the only place that reads the environment for them, and it does so when
 options are resolved (``LoadOptions.resolve``), never at import: a variable set after import
-still counts. Plain Python: the miss server process imports it without MLX.
+still counts. Values are read case-insensitively; a bad value (argument or variable) raises
+``OptionError`` naming it, e.g. ``MOEFLUX_EXPERT_IO=banana: expected one of auto, mmap, pread``.
+Plain Python: the miss server process imports it without MLX.
 
     MOEFLUX_EXPERT_IO            expert_io       auto | mmap | pread
     MOEFLUX_BACKEND              backend         auto | ops | metal | cuda
-    MOEFLUX_DEVICE_TABLE         device_table    0/off/false | 1/on/true (unset: where CUDA is)
+    MOEFLUX_DEVICE_TABLE         device_table    0/off/false/no | 1/on/true/yes (unset: where CUDA is)
     MOEFLUX_SLOT_WRITES          slot_writes     host | device (unset: by the device)
-    MOEFLUX_WAIT_TIMEOUT_S       wait_timeout_s  how long the GPU waits for the miss server
+    MOEFLUX_WAIT_TIMEOUT_S       wait_timeout_s  how long the GPU waits for the miss server (> 0)
     MOEFLUX_SERVER_POLL_US       server_poll_us  the miss server's poll interval after a request
     MOEFLUX_SERVER_POLL_MAX_US   server_poll_max_us  ... growing to this while no request comes
+
+Cache budgets (``parse_budget``): ``"all"``, ``0``, a fraction of RAM in (0, 1] (``0.25``), or a
+size with a unit: ``B``, SI ``kB`` ``MB`` ``GB`` ``TB`` (powers of 1000) or binary ``KiB`` ``MiB``
+``GiB`` ``TiB`` (powers of 1024); from Python also an ``int`` of bytes. Anything else (``1.5``,
+``8G``, ``-5GB``) is an ``OptionError``.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, fields
-from typing import Optional, Union
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
 
 import psutil
+
+from .errors import OptionError
 
 IO_MODES = ("auto", "mmap", "pread")
 BACKENDS = ("auto", "ops", "metal", "cuda")
@@ -32,27 +42,78 @@ DEFAULT_RAM_FRACTION = (
 
 Budget = Union[None, int, float, str]
 
-_TRUE, _FALSE = ("1", "on", "true"), ("0", "off", "false")
+_TRUE, _FALSE = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
 
 
-def _switch(text: str) -> Optional[bool]:
-    text = text.strip().lower()
-    return True if text in _TRUE else False if text in _FALSE else None
+def _switch(text: str) -> bool:
+    word = text.strip().lower()
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE
+    raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE)}")
 
 
-def _choice(allowed):
-    return lambda text: text if text in allowed else None
+class _Choice:
+    """One of ``allowed``, case-insensitive; ``lenient``: a bad value passes through unchanged
+    (lower-cased) when read leniently, for a consumer that judges it itself."""
+
+    def __init__(self, allowed: Tuple[str, ...], lenient: bool = False):
+        self.allowed, self.lenient = allowed, lenient
+
+    def __call__(self, text: str) -> str:
+        word = str(text).strip().lower()
+        if word not in self.allowed:
+            raise ValueError(f"expected one of {', '.join(self.allowed)}")
+        return word
 
 
-# option -> (variable, parser of its text; None from a parser: the variable is ignored)
-ENVIRONMENT = {
-    "expert_io": ("MOEFLUX_EXPERT_IO", str),  # select_expert_io warns about a bad value
-    "backend": ("MOEFLUX_BACKEND", str),  # select_backend rejects a bad value
+def _number(minimum: float, strict_minimum: bool) -> Callable[[str], float]:
+    def parse(text) -> float:
+        try:
+            value = float(text)
+        except (TypeError, ValueError):
+            value = math.nan
+        ok = value > minimum if strict_minimum else value >= minimum
+        if not (ok and math.isfinite(value)):
+            raise ValueError(f"expected a number {'>' if strict_minimum else '>='} {minimum:g}")
+        return value
+
+    return parse
+
+
+# option -> (variable, parser of its text: the value, or ValueError saying what it expects)
+ENVIRONMENT: Dict[str, Tuple[str, Callable[[str], Any]]] = {
+    # lenient: select_expert_io reads the variable itself and warns about a bad value
+    "expert_io": ("MOEFLUX_EXPERT_IO", _Choice(IO_MODES, lenient=True)),
+    "backend": ("MOEFLUX_BACKEND", _Choice(BACKENDS)),
     "device_table": ("MOEFLUX_DEVICE_TABLE", _switch),
-    "slot_writes": ("MOEFLUX_SLOT_WRITES", _choice(SLOT_WRITES)),
-    "wait_timeout_s": ("MOEFLUX_WAIT_TIMEOUT_S", float),
-    "server_poll_us": ("MOEFLUX_SERVER_POLL_US", float),
-    "server_poll_max_us": ("MOEFLUX_SERVER_POLL_MAX_US", float),
+    "slot_writes": ("MOEFLUX_SLOT_WRITES", _Choice(SLOT_WRITES)),
+    "wait_timeout_s": ("MOEFLUX_WAIT_TIMEOUT_S", _number(0, strict_minimum=True)),
+    "server_poll_us": ("MOEFLUX_SERVER_POLL_US", _number(0, strict_minimum=False)),
+    "server_poll_max_us": ("MOEFLUX_SERVER_POLL_MAX_US", _number(0, strict_minimum=False)),
+}
+
+
+def _positive_int(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError("expected a whole number >= 1")
+    return value
+
+
+def _check_budget(value) -> Budget:
+    parse_budget(value, 0)  # raises OptionError
+    return value
+
+
+# what an argument given to ``resolve`` must be: option -> checker returning the value to use
+_ARGUMENTS: Dict[str, Callable[[Any], Any]] = {
+    "expert_io": ENVIRONMENT["expert_io"][1],
+    "backend": ENVIRONMENT["backend"][1],
+    "slot_writes": ENVIRONMENT["slot_writes"][1],
+    "threads": _positive_int,
+    "cache_budget": _check_budget,
+    "wait_timeout_s": ENVIRONMENT["wait_timeout_s"][1],
+    "server_poll_us": ENVIRONMENT["server_poll_us"][1],
+    "server_poll_max_us": ENVIRONMENT["server_poll_max_us"][1],
 }
 
 
@@ -100,17 +161,30 @@ class LoadOptions:
             **given: any field of ``LoadOptions``.
 
         Returns:
-            The resolved options.
+            The resolved options (choices lower-cased).
 
         Raises:
             TypeError: an argument that is not a load option.
+            OptionError: a bad value, given or in a ``MOEFLUX_*`` variable (the message names it).
         """
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(given) - names)
         if unknown:
             raise TypeError(f"unknown load option(s): {', '.join(unknown)}")
-        values = from_environment()
-        values.update({k: v for k, v in given.items() if v is not None})
+        # a variable is read (and must be valid) only for an option not given as an argument
+        values = from_environment(strict=True, skip={k for k, v in given.items() if v is not None})
+        for name, value in given.items():
+            if value is None:
+                continue
+            check = _ARGUMENTS.get(name)
+            if check is not None:
+                try:
+                    value = check(value)
+                except OptionError:
+                    raise
+                except ValueError as e:
+                    raise OptionError(f"{name}={value!r}: {e}") from None
+            values[name] = value
         return cls(**values)
 
     def source(self, name: str, given: Optional[dict] = None) -> str:
@@ -118,60 +192,139 @@ class LoadOptions:
         if given and given.get(name) is not None:
             return "--" + name.replace("_", "-")
         var = ENVIRONMENT.get(name, (None,))[0]
-        if var and os.environ.get(var):
+        if var and os.environ.get(var, "").strip():
             return f"{var}={os.environ[var]}"
         return "default"
 
 
-def from_environment() -> dict:
-    """The load options set by ``MOEFLUX_*`` variables (unset or unparsable ones left out)."""
+def from_environment(strict: bool = False, skip: Iterable[str] = ()) -> dict:
+    """The load options set by ``MOEFLUX_*`` variables (unset or empty ones left out).
+
+    Args:
+        strict: a bad value raises ``OptionError``; otherwise it is left out, except that a
+            lenient choice (``MOEFLUX_EXPERT_IO``) passes through lower-cased for its consumer
+            to judge (``select_expert_io`` warns and uses auto).
+        skip: options not to read (given as arguments: their variables do not count).
+
+    Returns:
+        ``{option: value}``.
+
+    Raises:
+        OptionError: with ``strict``, e.g. ``MOEFLUX_EXPERT_IO=banana: expected one of auto,
+            mmap, pread``.
+    """
     out = {}
+    skip = set(skip)
     for name, (var, parse) in ENVIRONMENT.items():
+        if name in skip:
+            continue
         text = os.environ.get(var)
-        if not text:
+        if text is None or not text.strip():
             continue
         try:
-            value = parse(text)
-        except ValueError:
-            value = None
-        if value is not None:
-            out[name] = value
+            out[name] = parse(text)
+        except ValueError as e:
+            if strict:
+                raise OptionError(f"{var}={text}: {e}") from None
+            if getattr(parse, "lenient", False):
+                out[name] = text.strip().lower()
     return out
 
 
-_SIZE = re.compile(r"^\s*([\d.]+)\s*([kmgt]?i?b?)?\s*$", re.I)
+# --------------------------------------------------------------------------- cache budgets
+
+SI_UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4}
+BINARY_UNITS = {"kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+_UNIT_NAMES = {"b": "B", "kb": "kB", "mb": "MB", "gb": "GB", "tb": "TB"}
+_UNIT_NAMES.update({"kib": "KiB", "mib": "MiB", "gib": "GiB", "tib": "TiB"})
+_BUDGET = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.I)
+BUDGET_FORMS = "a size with a unit (8GB, 512MiB), a fraction of RAM in (0, 1] (0.25), all, or 0"
+
+
+def _budget_error(budget, why: str) -> OptionError:
+    return OptionError(f"cache budget {budget!r}: {why}")
+
+
+def budget_unit(budget: Budget) -> Optional[str]:
+    """The unit a budget was written in (``"GiB"``, ``"MB"``, ...), None for other forms: sizes
+    are shown back in the units the user typed."""
+    if isinstance(budget, str):
+        m = _BUDGET.match(budget)
+        if m and m[2]:
+            return _UNIT_NAMES.get(m[2].lower())
+    return None
 
 
 def parse_budget(budget: Budget, total_expert_bytes: int) -> int:
     """Bytes of a cache budget.
 
     Args:
-        budget: ``8GB`` / ``512MiB`` (binary units), a number of bytes, a fraction of RAM (a float
-            in (0, 1]), ``"all"`` (every expert), or None: every expert when they fit in 0.4 x
-            RAM, else 0.4 x RAM.
+        budget: ``"all"`` (every expert); ``0`` (none); a fraction of RAM in (0, 1] (a float, or
+            a string such as ``"0.25"``); a size with a unit (``"8GB"`` = 8 x 1000^3 bytes,
+            ``"8GiB"`` = 8 x 1024^3, also B, kB, MB, TB, KiB, MiB, TiB; case-insensitive); an
+            ``int`` of bytes; or None: every expert when they fit in 0.4 x RAM, else 0.4 x RAM.
         total_expert_bytes: the model's expert bytes (for ``"all"`` and None).
 
     Returns:
         The budget in bytes.
 
     Raises:
-        ValueError: not a budget.
+        OptionError (a ValueError): not a budget, e.g. ``1.5`` (neither a fraction nor a size:
+            write 1.5GB), ``8G`` (which G?), a negative number.
     """
-    ram = psutil.virtual_memory().total
     if budget is None:
-        return int(min(total_expert_bytes, DEFAULT_RAM_FRACTION * ram))
-    if isinstance(budget, str):
-        if budget.strip().lower() == "all":
-            return total_expert_bytes
-        m = _SIZE.match(budget)
-        if not m:
-            raise ValueError(f"cache budget {budget!r}: expected e.g. 8GB, 512MiB, 0.25 or all")
-        unit = (m[2] or "").lower().rstrip("b").rstrip("i")
-        if unit:
-            return int(float(m[1]) * 1024 ** " kmgt".index(unit))
-        budget = float(m[1]) if "." in m[1] else int(m[1])
-    if budget < 0:
-        raise ValueError(f"cache budget {budget!r} is negative")
-    if isinstance(budget, float) and budget <= 1:
-        return int(budget * ram)
-    return int(budget)
+        return int(min(total_expert_bytes, DEFAULT_RAM_FRACTION * psutil.virtual_memory().total))
+    if isinstance(budget, bool):
+        raise _budget_error(budget, f"expected {BUDGET_FORMS}")
+    if isinstance(budget, int):
+        if budget < 0:
+            raise _budget_error(budget, "is negative")
+        return budget
+    if isinstance(budget, float):
+        return _fraction(budget, budget)
+    if not isinstance(budget, str):
+        raise _budget_error(budget, f"expected {BUDGET_FORMS}")
+    text = budget.strip()
+    if text.lower() == "all":
+        return total_expert_bytes
+    if text.startswith("-"):
+        raise _budget_error(budget, "is negative")
+    m = _BUDGET.match(text)
+    if not m:
+        raise _budget_error(budget, f"expected {BUDGET_FORMS}")
+    number, unit = float(m[1]), m[2].lower()
+    if not unit:
+        if number == 0:
+            return 0
+        if number > 1:
+            raise _budget_error(
+                budget,
+                "a number without a unit is a fraction of RAM, in (0, 1]; for a size add a "
+                f"unit: {m[1]}GB (x 1000^3 bytes) or {m[1]}GiB (x 1024^3 bytes)",
+            )
+        return _fraction(number, budget)
+    scale = SI_UNITS.get(unit) or BINARY_UNITS.get(unit)
+    if scale is None:
+        if unit in ("k", "m", "g", "t", "ki", "mi", "gi", "ti"):
+            p = unit[0].upper() if unit[0] != "k" else "k"
+            raise _budget_error(
+                budget,
+                f"unit {m[2]!r} is ambiguous: write {m[1]}{p}B (x 1000^n bytes) or "
+                f"{m[1]}{p.upper()}iB (x 1024^n bytes)",
+            )
+        raise _budget_error(budget, f"unknown unit {m[2]!r}; expected {BUDGET_FORMS}")
+    return int(number * scale)
+
+
+def _fraction(value: float, budget: Budget) -> int:
+    if not math.isfinite(value) or value < 0:
+        raise _budget_error(budget, "is negative" if value < 0 else f"expected {BUDGET_FORMS}")
+    if value == 0:
+        return 0
+    if value > 1:
+        raise _budget_error(
+            budget,
+            "a float is a fraction of RAM, in (0, 1]; for bytes pass an int or a size "
+            "with a unit such as '8GB'",
+        )
+    return int(value * psutil.virtual_memory().total)

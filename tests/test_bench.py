@@ -151,7 +151,7 @@ def test_cli_builds_the_model_it_is_told(tmp_path):
     config = json.loads((built / "config.json").read_text())
     assert config["num_experts"] == 6 and config["num_hidden_layers"] == 2
     assert list((tmp_path / "r").glob("*-t-decode.json"))
-    with __import__("pytest").raises(SystemExit, match="KEY=VALUE"):
+    with __import__("pytest").raises(bench_cmd.UsageError, match="KEY=VALUE"):
         bench_cmd.parse_config_setting("num_experts")
 
 

@@ -29,10 +29,10 @@ def reference(tiny_checkpoints):
 def test_parse_budget():
     ram = moeflux_mlx.options.psutil.virtual_memory().total
     assert parse_budget("all", 123) == 123
-    assert parse_budget("2GiB", 1) == parse_budget("2GB", 1) == 2 * 2**30
+    assert parse_budget("2GiB", 1) == 2 * 2**30 and parse_budget("2GB", 1) == 2 * 10**9
     assert parse_budget("512MiB", 1) == 512 * 2**20
     assert parse_budget(0.25, 10) == int(0.25 * ram)
-    assert parse_budget(1000, 10) == parse_budget("1000", 10) == 1000
+    assert parse_budget(1000, 10) == parse_budget("1000B", 10) == 1000
     assert parse_budget(None, 10) == 10
     with pytest.raises(ValueError, match="cache budget"):
         parse_budget("lots", 10)
@@ -153,3 +153,17 @@ def test_buffers_do_not_grow_per_layer_after_a_prefill(reference, monkeypatch, w
 
 def reference_src(packed):
     return packed.with_name(packed.name.replace("-packed", ""))
+
+
+@pytest.mark.parametrize("budget", [0, "all"])
+def test_every_call_counts_its_tokens(reference, budget):
+    """Each layer counts the tokens of every call, resident or read, not only synced ones."""
+    packed, prompt, _, total = reference
+    model, _ = moeflux_mlx.load(packed, cache_budget=budget)
+    with model.moeflux as rt:
+        n = 6
+        _greedy(model, prompt, n)
+        layers = moeflux_mlx.stats(model)["layers"]
+        # the prompt, then one token per call: n of them (mlx-lm computes one token ahead)
+        assert {s["tokens"] for s in layers.values()} == {prompt.size + n}
+        assert rt.stats.total().tokens == len(layers) * (prompt.size + n)

@@ -19,7 +19,7 @@ from moeflux_mlx.testing import synth
 REPO = Path(__file__).resolve().parents[1]
 STATS = re.compile(
     r"\[prompt: (\d+) tokens.*\| reply: (\d+) tokens, [\d.]+ tok/s \| peak memory "
-    r".* \| experts: .* read, hit rate ([\d.]+%|n/a)"
+    r".* \| experts: .* read, (?:.* all resident, )?(hit rate [\d.]+%|every expert resident)"
 )
 
 

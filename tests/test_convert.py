@@ -26,6 +26,12 @@ def _bytes(a: mx.array) -> np.ndarray:
     return np.array(a.view(view)).view(np.uint8).reshape(a.shape[0], -1)
 
 
+def _stacked(name, weights) -> bool:
+    """A routed expert's tensor: a projection of a module whose weights are stacked (3-D)."""
+    m = EXPERT_KEY.match(name)
+    return m is not None and weights[f"{m['module']}.{m['projection']}.weight"].ndim == 3
+
+
 def _tree_hash(path):
     h = hashlib.sha256()
     for f in sorted(path.rglob("*")):
@@ -42,7 +48,7 @@ def test_packed_experts_equal_source_slices(tiny_checkpoints, arch):
     weights = {}
     for f in sorted(src.glob("model*.safetensors")):
         weights.update(mx.load(str(f)))
-    experts = {k: v for k, v in weights.items() if EXPERT_KEY.match(k)}
+    experts = {k: v for k, v in weights.items() if _stacked(k, weights)}
     assert experts, "the synthetic checkpoint has stacked experts"
     checked = 0
     for layer, lay in layout.layers.items():
@@ -59,7 +65,7 @@ def test_packed_experts_equal_source_slices(tiny_checkpoints, arch):
     dense_dst = mx.load(str(dst / "model.safetensors"))
     for k, v in dense_dst.items():
         assert mx.array_equal(v, weights[k]).item(), k
-    assert set(dense_dst) == {k for k in weights if not EXPERT_KEY.match(k)}
+    assert set(dense_dst) == {k for k in weights if not _stacked(k, weights)}
     assert checked >= 2 * 3
 
 
@@ -123,8 +129,17 @@ def test_verify_names_the_corrupt_expert(tiny_checkpoints, tmp_path):
 
 def test_refuses_existing_destination_and_non_moe(tiny_checkpoints, tmp_path):
     src, dst = tiny_checkpoints["qwen3_moe"]
-    with pytest.raises(ConvertError, match="already exists"):
-        convert(src, dst, progress=False)
+    before = _tree_hash(dst)
+    said = []
+    assert convert(src, dst, progress=False, notify=said.append) == dst  # finished: nothing to do
+    assert said and said[0].startswith("Nothing to do") and _tree_hash(dst) == before
+    other, _ = tiny_checkpoints["mixtral"]
+    with pytest.raises(ConvertError, match="already exists"):  # not a conversion of this source
+        convert(other, dst, progress=False)
+    assert _tree_hash(dst) == before
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert convert(src, empty, progress=False) == empty and (empty / "config.json").is_file()
     dense = tmp_path / "dense"
     cfg = synth.model_config("qwen3_moe", "tiny")
     from mlx_lm.utils import _get_classes, save_config, save_model
@@ -162,8 +177,12 @@ def test_interrupted_conversion_resumes(tiny_checkpoints, tmp_path, monkeypatch)
     done = list((tmp_path / "out.partial" / "packed_experts").glob("layer_*.bin"))
     assert len(done) == 1
     monkeypatch.setattr(cv, "_write_layer", real)
-    convert(src, tmp_path / "out", verify=True, progress=False)
+    said = []
+    convert(src, tmp_path / "out", verify=True, progress=False, notify=said.append)
     assert not (tmp_path / "out.partial").exists()
+    assert len(said) == 1 and said[0].startswith(
+        f"Resuming the interrupted conversion in {tmp_path / 'out.partial'} ("
+    )
 
 
 # VmHWM is this address space's peak RSS (ru_maxrss would carry the forked parent's across exec)
@@ -193,3 +212,18 @@ def test_convert_peak_memory_is_bounded(tmp_path):
     above = peak - base
     print(f"experts {experts / 1e6:.0f} MB, peak RSS above the interpreter {above / 1e6:.0f} MB")
     assert above < 256e6 and above < experts / 2
+
+
+def test_convert_closes_every_file_it_opens(tiny_checkpoints, tmp_path):
+    """Each layer's stacked tensors share a file: one descriptor per file, all closed after."""
+    import gc
+    import os
+
+    src, _ = tiny_checkpoints["qwen3_moe"]
+    gc.collect()
+    before = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    if before is None:
+        pytest.skip("counts open descriptors through /proc")
+    convert(src, tmp_path / "out", verify=True, progress=False)
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -232,10 +232,15 @@ def _offsets_past_end(d):
 
 
 def _set_quant(**kv):
+    """config.json's own entries for layer 0's experts say ``kv`` (mlx-lm's loader follows a
+    module's entry; without one it reads the quantization off the shapes, as moeflux does)."""
+
     def damage(d):
         def f(c):
             for key in ("quantization", "quantization_config"):
-                c[key].update(kv)
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    entry = {"group_size": 64, "bits": 4, "mode": "affine", **kv}
+                    c[key][f"model.layers.0.mlp.switch_mlp.{proj}"] = entry
 
         edit_json(d / "config.json", f)
 
@@ -1067,14 +1072,15 @@ def test_convert_destination_exists(ckpt, tmp_path):
     src = ckpt[0]
     out = tmp_path / "out"
     out.mkdir()
+    (out / "x").write_text("x")  # a directory with something in it is never touched
     with pytest.raises(ConvertError, match="already exists"):
         moeflux_mlx.convert(src, out, progress=False)
-    out.rmdir()
+    shutil.rmtree(out)
+    out.mkdir()  # an empty one is taken
     moeflux_mlx.convert(src, out, progress=False)
     before = _tree(out)
-    with pytest.raises(ConvertError, match="already exists .a finished conversion of this source"):
-        moeflux_mlx.convert(src, out, progress=False)
-    assert _tree(out) == before
+    # a finished conversion of the same source: nothing to do, nothing touched
+    assert moeflux_mlx.convert(src, out, progress=False) == out and _tree(out) == before
 
 
 def test_every_error_is_a_moeflux_error():

@@ -7,7 +7,7 @@ import json
 import logging
 import platform
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import mlx.core as mx
 import psutil
@@ -133,9 +133,37 @@ def summary_lines(result: dict) -> List[str]:
     return out
 
 
+RESULT_SUFFIXES = (".json", ".md", ".png")
+
+
+def free_stem(out_dir: Path, stem: str) -> str:
+    """``stem``, or ``stem-2``, ``stem-3``, ...: the first for which no result file exists in
+    ``out_dir``, so that a result is never overwritten (two runs on one day)."""
+    candidate, n = stem, 1
+    while any((Path(out_dir) / f"{candidate}{suffix}").exists() for suffix in RESULT_SUFFIXES):
+        n += 1
+        candidate = f"{stem}-{n}"
+    return candidate
+
+
+def plot_unavailable() -> Optional[str]:
+    """Why ``write_results`` will not draw the PNG, None when it will."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return (
+            "matplotlib is not installed (pip install matplotlib, or the package's [bench] extra)"
+        )
+    return None
+
+
 def write_results(result: dict, out_dir: Path, stem: str) -> List[Path]:
+    """Write ``STEM.json``, ``STEM.md`` and, with matplotlib, ``STEM.png`` into ``out_dir``;
+    ``STEM`` gets a suffix (``-2``, ...) when a result of that name exists: nothing is
+    overwritten. Returns the files written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    stem = free_stem(out_dir, stem)
     written = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
     written[0].write_text(json.dumps(result, indent=1))
     md = [
@@ -165,6 +193,7 @@ def write_results(result: dict, out_dir: Path, stem: str) -> List[Path]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        log.info("no plot: %s", plot_unavailable())
         return written
     fig, ax = plt.subplots(figsize=(6, 4))
     for io_mode in sorted({r["io_mode"] for r in result["runs"] if r["io_mode"] != "-"}):

@@ -65,6 +65,7 @@ class HostSyncCache:
             self._synced = False
             stats.calls += 1
             stats.unsynced_calls += 1
+            stats.tokens += indices.size // indices.shape[-1]  # the shape needs no sync
             return indices, resident
         return self.synced_lookup(layer, x, indices, stats)
 

@@ -9,19 +9,66 @@ import datetime
 import json
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 from ..benchmark.decode import run_benchmark
-from ..benchmark.report import format_table, machine_tag, summary_lines, write_results
+from ..benchmark.report import (
+    format_table,
+    machine_tag,
+    plot_unavailable,
+    summary_lines,
+    write_results,
+)
 from ..format.checkpoint import is_packed
 from ..format.convert import convert
+from ..options import BACKENDS
 from ..testing import synth
-from .common import command_parser, main_for
+from .common import (
+    UsageError,
+    command_parser,
+    lower,
+    main_for,
+    positive_int,
+    resolve_model,
+    say,
+    user_cache_dir,
+)
 
 DESCRIPTION = (
     "decode benchmark: stock mlx-lm and moeflux-mlx at several cache budgets, both I/O "
     "modes, prefetch off/on; writes JSON, markdown and a plot"
 )
+
+
+DEFAULT_OUT = Path("moeflux-bench-results")
+IO_CHOICES = ("mmap", "pread")
+
+
+def _budget_list(text: str) -> List[float]:
+    """``--budgets``: fractions of the experts, each in [0, 1]."""
+    out = []
+    for part in text.split(","):
+        try:
+            value = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{part.strip()!r} is not a number; expected fractions of the experts in [0, 1], "
+                "e.g. 1,0.5,0"
+            ) from None
+        if not 0 <= value <= 1:
+            raise argparse.ArgumentTypeError(f"{part.strip()} is not a fraction in [0, 1]")
+        out.append(value)
+    return out
+
+
+def _io_list(text: str) -> List[str]:
+    modes = [lower(m) for m in text.split(",")]
+    bad = [m for m in modes if m not in IO_CHOICES]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(bad) or text!r}: expected a list of {', '.join(IO_CHOICES)}"
+        )
+    return modes
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -35,7 +82,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--arch", default="qwen3_moe", choices=synth.ARCHITECTURES)
     p.add_argument("--size", default="small", choices=synth.SIZES)
-    p.add_argument("--layers", type=int, help="number of decoder layers of the built model")
+    p.add_argument(
+        "--layers", type=positive_int, help="number of decoder layers of the built model"
+    )
     p.add_argument(
         "--set",
         action="append",
@@ -43,18 +92,36 @@ def add_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="config field of the built model, e.g. num_experts=16 (JSON value)",
     )
-    p.add_argument("--build-dir", type=Path, default=Path(".cache/bench-models"))
+    build_dir = user_cache_dir() / "bench-models"
+    p.add_argument(
+        "--build-dir",
+        type=Path,
+        default=build_dir,
+        help=f"where built models (and converted copies of them) are kept (default: {build_dir})",
+    )
     p.add_argument(
         "--budgets",
-        default="1,0.99,0.5,0.25,0",
-        help="cache budgets as fractions of the experts (0.99: nearly all hits, one "
-        "sync per layer: measures the sync overhead)",
+        type=_budget_list,
+        default=_budget_list("1,0.99,0.5,0.25,0"),
+        help="cache budgets as fractions of the experts (default: 1,0.99,0.5,0.25,0; 0.99: "
+        "nearly all hits, one sync per layer: measures the sync overhead)",
     )
-    p.add_argument("--io", default="mmap,pread", help="I/O modes to run")
+    p.add_argument(
+        "--io",
+        type=_io_list,
+        default=list(IO_CHOICES),
+        help="I/O modes to run (default: mmap,pread)",
+    )
     p.add_argument("--prefetch", default="both", choices=["off", "on", "both"])
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--bench-backend", default=None, help="expert backend (default: auto)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=128)
+    p.add_argument("--decode-tokens", type=positive_int, default=64)
+    p.add_argument(
+        "--bench-backend",
+        type=lower,
+        choices=BACKENDS,
+        default=None,
+        help="expert backend (default: auto)",
+    )
     p.add_argument("--no-stock", action="store_true", help="skip stock mlx-lm")
     p.add_argument(
         "--convert",
@@ -64,21 +131,27 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--repeats",
-        type=int,
+        type=positive_int,
         default=1,
         help="with N > 1: also load stock and the all-resident configuration (on a GPU "
         "with the ops and the kernel backends) side by side and let them decode "
         "in turn N times; report the median ratio (run-to-run noise)",
     )
     p.add_argument("--machine", default=None, help="machine label for the results file name")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help=f"folder for the results: DATE-MACHINE-decode.json, .md and .png (default: "
+        f"./{DEFAULT_OUT}); an existing result is never overwritten (-2, -3, ... is added)",
+    )
 
 
 def parse_config_setting(text: str):
     """``"num_experts=16"`` -> ``("num_experts", 16)`` (the value read as JSON, else a string)."""
     key, sep, value = text.partition("=")
     if not sep or not key:
-        raise SystemExit(f"--set wants KEY=VALUE, got {text!r}")
+        raise UsageError(f"--set wants KEY=VALUE, got {text!r}")
     try:
         return key, json.loads(value)
     except json.JSONDecodeError:
@@ -87,27 +160,38 @@ def parse_config_setting(text: str):
 
 def run(args: argparse.Namespace) -> int:
     model = args.model
+    # as parsed here, or as strings from an older caller of run()
+    budgets = args.budgets if isinstance(args.budgets, list) else _budget_list(args.budgets)
+    io_modes = args.io if isinstance(args.io, list) else _io_list(args.io)
     if model is None:
         overrides = dict(parse_config_setting(v) for v in args.set)
         name = f"{args.arch}-{args.size}" + "".join(f"-{k}{v}" for k, v in overrides.items())
         if args.layers:
             overrides["num_hidden_layers"] = args.layers
             name += f"-{args.layers}l"
-        model = args.build_dir / name
+        model = Path(args.build_dir).expanduser() / name
         if not model.exists():
-            synth.build_checkpoint(model, args.arch, args.size, overrides=overrides or None)
+            say(f"Building {model} (random weights; once) ...")
+            try:
+                synth.build_checkpoint(model, args.arch, args.size, overrides=overrides or None)
+            except (ValueError, TypeError, KeyError) as e:  # a --set the config cannot take
+                raise UsageError(
+                    f"cannot build {args.arch}/{args.size} with {args.set}: {e}"
+                ) from None
+    else:
+        model = resolve_model(str(model))
     stock_path = None
     if args.convert and not is_packed(model):
         # one contiguous blob per expert; a plain checkpoint scatters each over nine ranges,
         # which read cold at ~0.8x the speed (docs/benchmarks.md)
         packed = model.with_name(model.name + "-packed")
-        if not packed.exists():
-            convert(model, packed)
+        convert(model, packed, progress=False, notify=say)  # nothing to do once made
         model, stock_path = packed, model
+    out = Path(args.out).expanduser()
     result = run_benchmark(
         model,
-        budgets=[float(b) for b in args.budgets.split(",")],
-        io_modes=args.io.split(","),
+        budgets=budgets,
+        io_modes=io_modes,
         prompt_tokens=args.prompt_tokens,
         decode_tokens=args.decode_tokens,
         stock=not args.no_stock,
@@ -120,8 +204,11 @@ def run(args: argparse.Namespace) -> int:
     for line in summary_lines(result):
         print(line)
     machine = args.machine or machine_tag(result["machine"])
-    for f in write_results(result, args.out, f"{datetime.date.today()}-{machine}-decode"):
+    for f in write_results(result, out, f"{datetime.date.today()}-{machine}-decode"):
         print("wrote", f)
+    why = plot_unavailable()
+    if why:
+        print(f"no plot: {why}")
     return 0
 
 

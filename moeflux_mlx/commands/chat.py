@@ -12,12 +12,15 @@ import argparse
 import contextlib
 import importlib
 import logging
+import re
 from typing import Iterable, List, Optional
 
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from ..errors import ExpertReadError
 from .common import (
+    PROG,
     add_load_args,
     add_model_arg,
     add_sampling_args,
@@ -26,6 +29,7 @@ from .common import (
     main_for,
     make_sampler,
     print_stream,
+    read_prompt,
     say,
     stats_line,
 )
@@ -35,7 +39,11 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 256
 PROMPT = ">> "
 QUIT = ("/quit", "/exit", "q")
-HELP = "Type a message. /reset starts a new conversation; /quit, q or Ctrl-D exits."
+HELP = (
+    "Type a message. /reset starts a new conversation; /quit, q or Ctrl-D exits; /help shows "
+    "this. To send a message that starts with /, type // (//etc/hosts sends /etc/hosts)."
+)
+_SLASH_COMMAND = re.compile(r"/[A-Za-z][\w-]*")
 DESCRIPTION = "chat in the terminal (multi-turn, streamed)"
 
 
@@ -141,19 +149,27 @@ def chat_loop(session: ChatSession, args: argparse.Namespace, sampler, read=inpu
         if text in ("/help", "h"):
             say(HELP)
             continue
+        if _SLASH_COMMAND.fullmatch(text):  # a typo of a command is not a message to the model
+            say(f"Unknown command {text}: not sent to the model (/help lists the commands).")
+            continue
+        if text.startswith("//"):
+            text = text[1:]
         try:
             reply(session, text, args, sampler)
         except KeyboardInterrupt:
             say("\n[interrupted: this turn is forgotten]")
+        except ExpertReadError as e:  # the model stays usable: the next turn reads again
+            say(f"\n{PROG}: error: {e} [this turn is forgotten]")
 
 
 def run(args: argparse.Namespace) -> int:
+    prompt = None if args.prompt is None else read_prompt(args.prompt)
     model, tokenizer = load_model(args)
     try:
         session = ChatSession(model, tokenizer, args.system_prompt)
         sampler = make_sampler(args)
-        if args.prompt is not None:
-            reply(session, args.prompt, args, sampler)
+        if prompt is not None:
+            reply(session, prompt, args, sampler)
             return 0
         try:
             importlib.import_module("readline")  # importing it gives input() editing and history
@@ -171,7 +187,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--prompt",
         "-p",
         default=None,
-        help="one-shot: send this message, print the reply and its stats, exit",
+        help="one-shot: send this message ('-' reads stdin), print the reply and its stats, exit",
     )
     parser.add_argument("--system-prompt", default=None, help="system prompt for the chat template")
     add_sampling_args(parser, DEFAULT_MAX_TOKENS)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
 import re
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
@@ -22,7 +24,15 @@ from mlx_lm.utils import _download
 
 from ..errors import CheckpointError, MoefluxError
 from ..model.load import load
-from ..options import BACKENDS, IO_MODES, LoadOptions, parse_budget
+from ..options import (
+    BACKENDS,
+    BINARY_UNITS,
+    IO_MODES,
+    SI_UNITS,
+    LoadOptions,
+    budget_unit,
+    parse_budget,
+)
 from ..testing.synth import demo_checkpoint
 
 log = logging.getLogger(__name__)
@@ -36,13 +46,74 @@ DEFAULT_SEED = 0
 DEMO_PROMPT = "Hello! How are you today?"
 
 
+class UsageError(MoefluxError):
+    """A command was given something it cannot use (an empty prompt, a port in use, ...): one
+    line on stderr and exit status 2, like every moeflux error."""
+
+
+EXIT_ERROR = 2  # a moeflux error, a bad flag or variable: one line on stderr
+EXIT_INTERRUPTED = 130  # Ctrl-C
+
+
+# --------------------------------------------------------------------------- flag value types
+# Each checks one flag's value at parse time, so a bad value is argparse's one-line usage error
+# (exit 2) naming the flag, never a traceback from deep inside the command.
+
+
 def _budget(text: str) -> str:
     """Check a --cache-budget value at parse time, so a typo is a usage error."""
     try:
         parse_budget(text, 0)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from e
+        raise argparse.ArgumentTypeError(str(e).replace("cache budget ", "", 1)) from None
     return text
+
+
+def lower(text: str) -> str:
+    """A choice read case-insensitively (``--expert-io PREAD``)."""
+    return text.strip().lower()
+
+
+def int_at_least(minimum: int, maximum: Optional[int] = None) -> Callable[[str], int]:
+    """An argparse type: a whole number in [minimum, maximum]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            span = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+            raise argparse.ArgumentTypeError(f"expected a whole number {span}, got {text}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def float_in(
+    minimum: float, maximum: Optional[float] = None, open_minimum: bool = False
+) -> Callable[[str], float]:
+    """An argparse type: a number in [minimum, maximum] ((minimum, ...] with ``open_minimum``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        low_ok = value > minimum if open_minimum else value >= minimum
+        if not (math.isfinite(value) and low_ok and (maximum is None or value <= maximum)):
+            low = f"> {minimum:g}" if open_minimum else f">= {minimum:g}"
+            span = low if maximum is None else f"{low} and <= {maximum:g}"
+            raise argparse.ArgumentTypeError(f"expected a number {span}, got {text}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+positive_int = int_at_least(1)
+SEED_MAX = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
 
 
 # The options passed to ``moeflux_mlx.load``: (flag, argparse keywords). The flag's dest is the
@@ -52,6 +123,7 @@ LOAD_OPTIONS = (
     (
         "--expert-io",
         dict(
+            type=lower,
             choices=IO_MODES,
             help="how experts are read from disk: auto (the RAM "
             "gate: pread when they exceed 0.75 x RAM, else mmap), mmap or pread "
@@ -61,6 +133,7 @@ LOAD_OPTIONS = (
     (
         "--backend",
         dict(
+            type=lower,
             choices=BACKENDS,
             help="expert kernels (default: $MOEFLUX_BACKEND or "
             "auto: metal on Metal, cuda on CUDA, ops on the CPU)",
@@ -68,16 +141,18 @@ LOAD_OPTIONS = (
     ),
     (
         "--threads",
-        dict(type=int, metavar="N", help="parallel expert reads in pread mode (default: 8)"),
+        dict(
+            type=positive_int, metavar="N", help="parallel expert reads in pread mode (default: 8)"
+        ),
     ),
     (
         "--cache-budget",
         dict(
             type=_budget,
             metavar="SIZE",
-            help="MLX memory for "
-            "resident experts: 8GB, 512MiB, a fraction of RAM (0.25), all, or 0 "
-            "(default: all experts if they fit in 0.4 x RAM)",
+            help="MLX memory for resident experts: a size with a unit (8GB = 8 x 1000^3 bytes, "
+            "8GiB = 8 x 1024^3; also B, kB, MB, TB, KiB, MiB, TiB), a fraction of RAM in (0, 1] "
+            "(0.25), all, or 0 (default: all experts if they fit in 0.4 x RAM, else 0.4 x RAM)",
         ),
     ),
     (
@@ -139,24 +214,27 @@ def add_sampling_args(
     parser.add_argument(
         "--max-tokens",
         "-m",
-        type=int,
+        type=positive_int,
         default=max_tokens,
-        help=f"maximum number of tokens to generate (default: {max_tokens})",
+        help=f"maximum number of tokens to generate, >= 1 (default: {max_tokens})",
     )
     parser.add_argument(
         "--temp",
-        type=float,
+        type=float_in(0.0),
         default=DEFAULT_TEMP,
-        help=f"sampling temperature (default: {DEFAULT_TEMP})",
+        help=f"sampling temperature, >= 0; 0 is greedy (default: {DEFAULT_TEMP})",
     )
     parser.add_argument(
         "--top-p",
-        type=float,
+        type=float_in(0.0, 1.0),
         default=DEFAULT_TOP_P,
-        help=f"sampling top-p (default: {DEFAULT_TOP_P})",
+        help=f"sampling top-p, in [0, 1]; 0 or 1: off (default: {DEFAULT_TOP_P})",
     )
     parser.add_argument(
-        "--seed", type=int, default=DEFAULT_SEED, help=f"PRNG seed (default: {DEFAULT_SEED})"
+        "--seed",
+        type=int_at_least(0, SEED_MAX),
+        default=DEFAULT_SEED,
+        help=f"PRNG seed, 0 to 2^64 - 1 (default: {DEFAULT_SEED})",
     )
 
 
@@ -187,12 +265,24 @@ def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+def fmt_bytes(n: float, unit: Optional[str] = None) -> str:
+    """``n`` bytes for people: in SI units (``28.31 MB``), or in ``unit`` (``"GiB"``, ``"MB"``:
+    the unit a user typed, so that ``--cache-budget 8MiB`` is shown as ``8 MiB``)."""
+    if unit is not None:
+        scale = {**SI_UNITS, **BINARY_UNITS}[unit.lower()]
+        return f"{n / scale:.2f}".rstrip("0").rstrip(".") + f" {unit}"
+    for u in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or u == "GB":
+            return f"{n:.0f} {u}" if u == "B" else f"{n:.2f} {u}"
         n /= 1000
     raise AssertionError
+
+
+def user_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/moeflux-mlx`` (default ``~/.cache/moeflux-mlx``): where built models
+    are kept (the demo checkpoint, the benchmark's models)."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "moeflux-mlx"
 
 
 _HUB_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -215,8 +305,12 @@ def resolve_model(model: Optional[str]) -> Path:
         say(f"Demo checkpoint: {path}")
         return path
     path = Path(model).expanduser()
-    if path.exists() or not _HUB_REPO.fullmatch(model):
+    if path.exists():
+        if not path.is_dir():
+            raise CheckpointError(f"{model}: not a directory (give the model's directory)")
         return path
+    if not _HUB_REPO.fullmatch(model):
+        raise CheckpointError(f"{model}: no such directory")
     try:
         return _download(model)
     except Exception as e:  # the hub client raises many types; all mean "could not get it"
@@ -228,19 +322,39 @@ def resolve_model(model: Optional[str]) -> Path:
 
 def load_model(args: argparse.Namespace, path: Optional[Path] = None):
     """``moeflux_mlx.load`` with the command's options; prints what was loaded."""
+    options = load_options(args)  # a bad MOEFLUX_* variable fails before anything is read
     path = resolve_model(args.model) if path is None else path
     say(f"Loading {path} ...")
     t0 = time.perf_counter()
-    model, tokenizer = load(path, **load_kwargs(args))
+    model, tokenizer = load(path, options=options)
     rt = model.moeflux
+    # the backend as the runtime reports it: what computes the experts, not what was asked for
     info = rt.stats_dict()
+    budget = rt.options.cache_budget
+    cache = info.get("cache", "?")
+    if budget is not None:  # shown in the units it was given in
+        total = rt.layout.total_expert_bytes
+        cache += f", budget {fmt_budget(budget, total)}"
     say(
         f"Loaded in {time.perf_counter() - t0:.1f} s: {len(rt.layout.layers)} MoE layers, "
         f"{fmt_bytes(rt.layout.total_expert_bytes)} of experts streamed from disk "
-        f"(expert I/O: {info['io_mode']}, cache: {info.get('cache', '?')}, "
-        f"backend: {info['backend']})."
+        f"(expert I/O: {info['io_mode']}, cache: {cache}, backend: {info['backend']})."
     )
     return model, tokenizer
+
+
+def fmt_budget(budget, total_expert_bytes: int) -> str:
+    """A cache budget for people, in the units it was written in (``8 GiB``); a fraction or
+    ``all`` as bytes and what they are (``10.11 GB = 0.4 x RAM``)."""
+    n = parse_budget(budget, total_expert_bytes)
+    unit = budget_unit(budget)
+    if unit is not None:
+        return fmt_bytes(n, unit)
+    if isinstance(budget, str) and budget.strip().lower() == "all":
+        return f"{fmt_bytes(n)} (all)"
+    if isinstance(budget, (float, str)) and n:
+        return f"{fmt_bytes(n)} ({budget} x RAM)"
+    return fmt_bytes(n)
 
 
 def setup_logging(verbose: bool, configure_root: bool = True) -> None:
@@ -251,17 +365,59 @@ def setup_logging(verbose: bool, configure_root: bool = True) -> None:
         logging.getLogger("moeflux_mlx").setLevel(logging.INFO)
 
 
+def error(message: str) -> int:
+    """Print ``moeflux-mlx: error: MESSAGE`` (one line, stderr); return the error exit status."""
+    print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    return EXIT_ERROR
+
+
 def run_command(func, args: argparse.Namespace) -> int:
-    """Run one command; moeflux errors become one line on stderr and exit code 2."""
-    setup_logging(args.verbose, configure_root=not getattr(args, "passthrough", False))
+    """Run one command. A moeflux error (and a bad ``MOEFLUX_*`` variable) is one line on stderr
+    and exit status 2; Ctrl-C is exit 130; a closed stdout (``| head``) ends quietly. Anything
+    else is a bug, still reported in one line (``--verbose`` adds the traceback)."""
+    verbose = getattr(args, "verbose", False)
+    setup_logging(verbose, configure_root=not getattr(args, "passthrough", False))
     try:
         return int(func(args) or 0)
     except MoefluxError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+        return error(str(e))
     except KeyboardInterrupt:
         print(file=sys.stderr)
-        return 130
+        say("Interrupted.")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # the reader of stdout went away: nothing more to say, and Python must not try to
+        # flush the closed pipe again at exit
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    except OSError as e:  # e.g. an output file that cannot be written
+        if verbose:
+            log.exception("%s failed", PROG)
+        return error(_os_error(e))
+    except Exception as e:  # noqa: BLE001 - the last resort: a bug, but still one line
+        if verbose:
+            log.exception("unexpected error")
+        hint = "" if verbose else " (--verbose shows the traceback)"
+        return error(f"unexpected {type(e).__name__}: {e}{hint}; please report it")
+
+
+def _os_error(e: OSError) -> str:
+    where = f"{e.filename}: " if e.filename else ""
+    return f"{where}{e.strerror or e}"
+
+
+def read_prompt(text: str) -> str:
+    """``--prompt``: ``\\n`` and ``\\t`` escapes as mlx-lm reads them; ``-`` reads stdin, without
+    the trailing newline that ``echo`` and editors add."""
+    if text == "-":
+        try:
+            text = sys.stdin.read()
+            text.encode("utf-8")  # undecodable bytes come as surrogates in a C locale
+        except UnicodeError as e:
+            raise UsageError(f"--prompt -: standard input is not text ({e.reason})") from None
+        return text.rstrip("\r\n")
+    return text.replace("\\n", "\n").replace("\\t", "\t")
 
 
 def prompt_tokens(
@@ -271,8 +427,12 @@ def prompt_tokens(
     if use_chat_template and tokenizer.has_chat_template:
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         messages.append({"role": "user", "content": prompt})
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    return tokenizer.encode(prompt)
+        tokens = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    else:
+        tokens = list(tokenizer.encode(prompt))
+    if not tokens:
+        raise UsageError("the prompt is empty: the model needs at least one token to start from")
+    return tokens
 
 
 def print_stream(responses: Iterable, out=None):
@@ -298,14 +458,28 @@ def stats_line(last, runtime=None, reused: Optional[int] = None) -> str:
         f"peak memory {fmt_bytes(last.peak_memory * 1e9)}",
     ]
     if runtime is not None:
-        s = runtime.stats_dict()
-        t = s["total"]
-        # no routed experts counted: every call found its experts resident without asking
-        hit = f"{100 * t['hit_rate']:.1f}%" if t.get("experts_routed", 1) else "n/a"
-        parts.append(
-            f"experts: {fmt_bytes(t['bytes_read'])} read, hit rate {hit} ({s.get('io_mode', '?')})"
-        )
+        parts.append("experts: " + expert_summary(runtime.stats_dict()))
     return "[" + " | ".join(parts) + "]"
+
+
+def expert_summary(stats: dict) -> str:
+    """``28.31 MB read, hit rate 12.5% (pread)`` from ``model.moeflux.stats_dict()``; with
+    calls that found every expert of their layer resident, ``28.31 MB read, 16 of 20 layer
+    calls all resident, hit rate 0.0% in the rest (mmap)``.
+
+    The hit rate counts the experts of the calls that looked their experts up (a host sync);
+    a call to a layer whose every expert is resident asks nothing and is counted apart, so a
+    model that fits is not shown as "hit rate 0.0%" for the one fill at its first use."""
+    t = stats["total"]
+    io = stats.get("io_mode", "?")
+    calls, resident = t.get("calls", 0), t.get("unsynced_calls", 0)
+    head = f"{fmt_bytes(t['bytes_read'])} read"
+    if not t.get("experts_routed"):
+        return f"{head}, every expert resident ({io})" if calls else f"{head} ({io})"
+    hit = f"hit rate {100 * t['hit_rate']:.1f}%"
+    if resident:
+        return f"{head}, {resident} of {calls} layer calls all resident, {hit} in the rest ({io})"
+    return f"{head}, {hit} ({io})"
 
 
 def load_options(args: argparse.Namespace) -> LoadOptions:
@@ -330,8 +504,52 @@ def main_for(
 ) -> int:
     """Parse ``argv`` with ``parser`` and run the command (see ``run_command``); flags the parser
     does not know are an error unless the command passes them through (``passthrough``)."""
-    args, extra = parser.parse_known_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, extra = parser.parse_known_args(join_dash_values(parser, argv))
     if extra and not getattr(args, "passthrough", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
     return run_command(run, args)
+
+
+def _value_flags(parser: argparse.ArgumentParser, out: Optional[set] = None) -> set:
+    """The option strings of ``parser`` and its subcommands' parsers, and which take one value."""
+    out = set() if out is None else out
+    for action in parser._actions:  # argparse keeps no public list of them
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _value_flags(sub, out)
+        elif action.option_strings and action.nargs is None:
+            out.update((flag, True) for flag in action.option_strings)
+        else:
+            out.update((flag, False) for flag in action.option_strings)
+    return out
+
+
+def join_dash_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list:
+    """``--flag -VALUE`` as ``--flag=-VALUE`` for a flag that takes one value and a value that
+    is not itself a flag: argparse reads ``--cache-budget -5GB`` as two flags and answers
+    "expected one argument"; joined, the value reaches the flag's own check ("is negative")."""
+    flags = _value_flags(parser)
+    takes_value = {flag for flag, value in flags if value}
+    known = {flag for flag, _ in flags}
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            out.extend(argv[i:])
+            break
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if (
+            arg in takes_value
+            and nxt is not None
+            and nxt.startswith("-")
+            and nxt != "-"
+            and nxt.split("=", 1)[0] not in known
+        ):
+            out.append(f"{arg}={nxt}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out

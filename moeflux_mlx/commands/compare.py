@@ -27,15 +27,20 @@ import psutil
 from mlx_lm.generate import generate_step
 
 from ..errors import CheckpointError
-from ..format.checkpoint import is_packed
+from ..format.checkpoint import is_packed, packed_layout, scan_checkpoint
+from ..io.store import open_store
 from ..model.load import load
+from ..options import LoadOptions
 from .common import (
     add_load_args,
     command_parser,
     device_name,
+    expert_summary,
+    float_in,
     fmt_bytes,
     load_kwargs,
     main_for,
+    positive_int,
     prompt_tokens,
     resolve_model,
     say,
@@ -174,6 +179,53 @@ def _run_all(model, prompts: List[List[int]], max_tokens: int, eos: set) -> List
     return [greedy(model, p, max_tokens, eos) for p in prompts]
 
 
+def check_models(model_path: Path, moeflux_path: Path, load_options: Optional[dict]) -> None:
+    """What ``compare`` checks before stock mlx-lm runs (it may run for minutes): ``model_path``
+    is an mlx-lm MoE checkpoint, ``moeflux_path`` a usable copy of its experts, the options valid.
+
+    Raises:
+        CheckpointError: not a directory, no config, not MoE, a converted MODEL, or a
+            ``--converted`` directory whose experts are not MODEL's.
+        ExpertFileError: an expert file of ``moeflux_path`` is missing or of the wrong size.
+        OptionError: a bad load option (argument or ``MOEFLUX_*`` variable).
+    """
+    options = LoadOptions.resolve(**(load_options or {}))
+    if is_packed(model_path):
+        raise CheckpointError(
+            f"{model_path}: a converted directory; stock mlx-lm cannot load it. "
+            "Give the mlx-lm checkpoint it came from as MODEL and this "
+            "directory as --converted"
+        )
+    layout = scan_checkpoint(model_path).layout  # config, headers, and routed experts at all
+    if moeflux_path != model_path:
+        if not moeflux_path.is_dir():
+            what = "not a directory" if moeflux_path.exists() else "no such directory"
+            raise CheckpointError(f"{moeflux_path}: {what} (--converted)")
+        theirs = (
+            packed_layout(moeflux_path)
+            if is_packed(moeflux_path)
+            else scan_checkpoint(moeflux_path).layout
+        )
+        if theirs.to_dict() != layout.to_dict():
+            raise CheckpointError(
+                f"{moeflux_path}: its experts are not {model_path}'s "
+                f"({_layout_summary(theirs)} vs {_layout_summary(layout)}); "
+                "--converted must be a conversion of MODEL"
+            )
+    # the expert files' sizes, as load() checks them, before stock mlx-lm spends its time
+    open_store(moeflux_path, options.expert_io, 1)[0].close()
+
+
+def _layout_summary(layout) -> str:
+    layers = sorted(layout.layers)
+    experts = sorted({layout.layers[i].num_experts for i in layers})
+    blobs = sorted({layout.layers[i].blob_size for i in layers})
+    return (
+        f"{len(layers)} MoE layers, {'/'.join(map(str, experts))} experts, "
+        f"{'/'.join(f'{b:,}' for b in blobs)}-byte experts"
+    )
+
+
 def compare(
     model_path,
     prompts: Sequence[str] = DEFAULT_PROMPTS,
@@ -188,12 +240,7 @@ def compare(
     """Run ``prompts`` greedily on stock mlx-lm and on moeflux-mlx; return the comparison."""
     model_path = Path(model_path)
     moeflux_path = Path(moeflux_path) if moeflux_path is not None else model_path
-    if is_packed(model_path):
-        raise CheckpointError(
-            f"{model_path}: a converted directory; stock mlx-lm cannot load it. "
-            "Give the mlx-lm checkpoint it came from as MODEL and this "
-            "directory as --converted"
-        )
+    check_models(model_path, moeflux_path, load_options)
     on_cpu = mx.default_device() == mx.cpu
     if tolerance is None:
         tolerance = 0.0 if on_cpu else GPU_LOGPROB_TOL
@@ -313,11 +360,8 @@ def format_report(report: Report) -> str:
         lines.insert(len(lines) - 1, lines[1])
     s = report.expert_stats
     if s:
-        hit = f"{100 * s['hit_rate']:.1f}%" if s.get("experts_routed", 1) else "n/a"
-        lines.append(
-            f"moeflux expert I/O: {fmt_bytes(s['bytes_read'])} read, hit rate {hit} "
-            f"({s['io_mode']}, backend {report.backend})"
-        )
+        summary = expert_summary({"total": s, "io_mode": s["io_mode"]})
+        lines.append(f"moeflux expert I/O: {summary}; backend {report.backend}")
     tol = (
         "exact (CPU)"
         if report.tolerance == 0 and report.device == "cpu"
@@ -339,6 +383,7 @@ def _mean(values) -> float:
 
 def run(args: argparse.Namespace) -> int:
     path = resolve_model(args.model_path)
+    converted = None if args.converted is None else resolve_model(args.converted)
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     n = f"{len(prompts)} prompt" + "s" * (len(prompts) > 1)
     say(
@@ -349,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
         path,
         prompts,
         max_tokens=args.max_tokens,
-        moeflux_path=args.converted,
+        moeflux_path=converted,
         load_options=load_kwargs(args),
         force=args.force,
         tolerance=args.logprob_tol,
@@ -380,7 +425,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-tokens",
         "-m",
-        type=int,
+        type=positive_int,
         default=DEFAULT_MAX_TOKENS,
         help=f"tokens to generate per prompt (default: {DEFAULT_MAX_TOKENS})",
     )
@@ -392,7 +437,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--logprob-tol",
-        type=float,
+        type=float_in(0.0),
         default=None,
         help="largest |Δ log-prob| accepted (default: 0 on the CPU, "
         f"{GPU_LOGPROB_TOL} on a GPU); tokens must be identical either way",

@@ -1,5 +1,11 @@
 """``moeflux-mlx convert``: an mlx-lm checkpoint into a streaming directory (experts packed one
-file per MoE layer)."""
+file per MoE layer).
+
+Rerunning a finished conversion of the same source does nothing and succeeds, so that
+``moeflux-mlx convert SRC DST && moeflux-mlx generate --model DST`` can be run again. An
+interrupted conversion (Ctrl-C, a full disk) keeps ``DST.partial``, and says so; a rerun resumes
+there, and says that too.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 from ..format.checkpoint import packed_layout
-from ..format.convert import convert
-from .common import command_parser, fmt_bytes, main_for
+from ..format.convert import convert, verify_conversion
+from .common import EXIT_INTERRUPTED, command_parser, fmt_bytes, main_for, say
 
 DESCRIPTION = (
     "convert an mlx-lm checkpoint into a streaming directory (experts packed one file "
@@ -21,12 +27,30 @@ DESCRIPTION = (
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    existed = Path(args.dst).exists()  # convert() accepts a finished conversion of the same SRC
-    dst = convert(args.src, args.dst, verify=args.verify, progress=not args.quiet)
+    src, dst = Path(args.src).expanduser(), Path(args.dst).expanduser()
+    work = dst.with_name(dst.name + ".partial")
+    # convert() returns an existing DST only when it is a finished conversion of SRC
+    finished = dst.is_dir() and any(dst.iterdir())
+    try:
+        dst = convert(src, dst, verify=args.verify, progress=not args.quiet, notify=say)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        if work.is_dir():
+            say(
+                f"Interrupted: {dst} was not created; the completed part is kept in {work} "
+                "and a rerun of the same command resumes there (delete it to reclaim the space)."
+            )
+        else:
+            say(f"Interrupted: {dst} was not created; nothing was written.")
+        return EXIT_INTERRUPTED
+    if finished:
+        if args.verify:
+            verify_conversion(src, dst, progress=not args.quiet)
+            print(f"{dst}: verified byte for byte against {src}")
+        return 0
     layout = packed_layout(dst)
-    done = "Already converted" if existed else "Converted"
     print(
-        f"{done} {args.src} -> {dst} in {time.perf_counter() - t0:.1f} s: "
+        f"Converted {src} -> {dst} in {time.perf_counter() - t0:.1f} s: "
         f"{len(layout.layers)} MoE layers, {fmt_bytes(layout.total_expert_bytes)} of experts"
         + (" (verified byte for byte)" if args.verify else "")
     )
@@ -35,7 +59,11 @@ def run(args: argparse.Namespace) -> int:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", metavar="SRC", help="mlx-lm checkpoint directory")
-    p.add_argument("dst", metavar="DST", help="new directory to write")
+    p.add_argument(
+        "dst",
+        metavar="DST",
+        help="directory to write: new or empty (a finished conversion of SRC: nothing to do)",
+    )
     p.add_argument(
         "--verify",
         action="store_true",

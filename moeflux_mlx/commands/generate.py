@@ -20,6 +20,7 @@ from .common import (
     make_sampler,
     print_stream,
     prompt_tokens,
+    read_prompt,
     say,
     stats_line,
 )
@@ -28,10 +29,9 @@ DESCRIPTION = "generate a reply to one prompt"
 
 
 def run(args: argparse.Namespace) -> int:
+    prompt = read_prompt(args.prompt)  # before loading: an unreadable stdin fails at once
     model, tokenizer = load_model(args)
     try:
-        prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
-        prompt = sys.stdin.read() if prompt == "-" else prompt
         tokens = prompt_tokens(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)
         model.moeflux.reset_stats()
         last = print_stream(

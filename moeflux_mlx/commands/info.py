@@ -10,15 +10,16 @@ from typing import Optional
 
 import psutil
 
-from ..compute.backend import select_backend
+from ..compute.backend import backend_report, select_backend
 from ..format.checkpoint import is_packed, packed_layout, read_config, scan_checkpoint
 from ..format.safetensors import index_directory
-from ..io.store import RAM_FRACTION, select_expert_io
-from ..options import LoadOptions, parse_budget
+from ..io.store import RAM_FRACTION, open_store, select_expert_io
+from ..options import LoadOptions, budget_unit, parse_budget
 from .common import (
     add_load_args,
     command_parser,
     device_name,
+    fmt_budget,
     fmt_bytes,
     load_kwargs,
     main_for,
@@ -50,6 +51,9 @@ def describe(path: Path, given: Optional[dict] = None) -> list:
     config = read_config(path)
     text = config.get("text_config", config)
     packed = is_packed(path)
+    # every check that load() makes from headers and file sizes (a truncated layer file, a
+    # layout that does not match its files ...), so that info reports the damage generate would
+    open_store(path, options.expert_io, 1)[0].close()
     if packed:
         layout = packed_layout(path)
         dense = sum(r.nbytes for r in index_directory(path).values())
@@ -80,17 +84,18 @@ def describe(path: Path, given: Optional[dict] = None) -> list:
             f"auto: experts {fmt_bytes(total)} {cmp} {RAM_FRACTION} x RAM "
             f"{fmt_bytes(ram.total)} = {fmt_bytes(RAM_FRACTION * ram.total)}"
         )
+    budget = parse_budget(options.cache_budget, total)  # valid: LoadOptions.resolve checked it
+    unit = budget_unit(options.cache_budget)  # sizes in the units the budget was given in
+    if options.cache_budget is None:
+        given_as = "default"
+    else:
+        given_as = f"--cache-budget {fmt_budget(options.cache_budget, total)}"
+    cache = (
+        f"{fmt_bytes(min(budget, total), unit)} of MLX memory for resident experts "
+        f"({100 * min(budget, total) / max(total, 1):.0f}% of them; {given_as})"
+    )
     try:
-        budget = parse_budget(options.cache_budget, total)
-        cache = (
-            f"{fmt_bytes(min(budget, total))} of MLX memory for resident experts "
-            f"({100 * min(budget, total) / max(total, 1):.0f}% of them; "
-            f"{'--cache-budget' if options.cache_budget is not None else 'default'})"
-        )
-    except ValueError as e:
-        cache = f"? ({e})"
-    try:
-        picked = select_backend(options.backend).name
+        picked = backend_report(select_backend(options.backend))
     except Exception as e:  # noqa: BLE001 - e.g. kernels missing on this build: info still useful
         picked = f"unavailable ({type(e).__name__}: {e})"
 

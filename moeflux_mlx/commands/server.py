@@ -9,18 +9,36 @@ still goes to mlx-lm's loader.
 The command declares mlx_lm.server's own flags (``MLX_SERVER_FLAGS``), with its defaults, so that
 ``--help`` shows them and the provider gets the arguments mlx-lm's server reads;
 ``tests/test_server.py`` checks them against the attributes mlx-lm's server reads.
+
+Before it listens, the command takes its port (in use: one line, exit 2) and loads the model in
+full, as ``generate`` does (a damaged model: one line, exit 2, never a server whose generation
+thread died). Its request handler (``StreamingAPIHandler``, a subclass of mlx-lm's) adds three
+things: ``max_tokens`` above ``--max-tokens-limit`` (default: the model's context length) is
+refused with 400; generation stops when the client goes away (mlx-lm stops a streamed reply
+when a write fails; a non-streamed reply writes nothing until the end, so the handler watches
+the connection between tokens); ``GET /v1/models`` lists the served model even where no Hugging
+Face cache folder exists (mlx-lm's scan of that cache raises there), and ``GET /v1/models/ID``
+returns one model.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
+import ipaddress
 import json
 import logging
+import select
 import signal
+import socket
 import sys
+import threading
+import time
+import urllib.parse
+from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import mlx.core as mx
 import mlx_lm
@@ -29,18 +47,21 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.processors import load_processor
 from mlx_lm.utils import load_config, maybe_set_recommended_wired_limit
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, MoefluxError
 from ..format.checkpoint import EXPERT_KEY, is_packed, read_config
 from ..format.safetensors import index_directory
 from ..io.store import open_store
 from ..model.load import load
 from ..options import LoadOptions
 from .common import (
+    UsageError,
     add_load_args,
     add_model_arg,
     command_parser,
+    int_at_least,
     load_options,
     main_for,
+    positive_int,
     resolve_model,
     say,
 )
@@ -52,7 +73,21 @@ EPILOG = """\
 The options after the streaming ones are mlx_lm.server's, with its defaults.
 
 Endpoints (mlx-lm): POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health.
+A request for more than --max-tokens-limit tokens is refused (400). Generation stops when the
+client disconnects.
 """
+
+
+def _kv_cache_bytes(text: str) -> int:
+    """``--prompt-cache-bytes`` as mlx-lm parses it, a bad value a usage error (mlx-lm's parser
+    raises decimal or key errors, which argparse would show as a traceback)."""
+    try:
+        return mlx_server._parse_size(text)
+    except Exception:  # noqa: BLE001 - InvalidOperation, KeyError, ValueError ...
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 8GB or 512MB, got {text!r}"
+        ) from None
+
 
 # mlx_lm.server's flags (version 0.32), as its own ``main`` declares them: (flag, keywords).
 MLX_SERVER_FLAGS = (
@@ -62,7 +97,10 @@ MLX_SERVER_FLAGS = (
         dict(type=lambda x: x.split(","), default="*", help="allowed origins (default: *)"),
     ),
     ("--draft-model", dict(type=str, default=None, help="a model for speculative decoding")),
-    ("--num-draft-tokens", dict(type=int, default=3, help="tokens to draft (default: 3)")),
+    (
+        "--num-draft-tokens",
+        dict(type=int_at_least(0), default=3, help="tokens to draft (default: 3)"),
+    ),
     ("--trust-remote-code", dict(action="store_true", help="trust remote code for the tokenizer")),
     (
         "--log-level",
@@ -77,23 +115,36 @@ MLX_SERVER_FLAGS = (
     ("--use-default-chat-template", dict(action="store_true", help="the default chat template")),
     ("--temp", dict(type=float, default=0.0, help="default sampling temperature (default: 0.0)")),
     ("--top-p", dict(type=float, default=1.0, help="default nucleus top-p (default: 1.0)")),
-    ("--top-k", dict(type=int, default=0, help="default top-k (default: 0, off)")),
+    ("--top-k", dict(type=int_at_least(0), default=0, help="default top-k (default: 0, off)")),
     ("--min-p", dict(type=float, default=0.0, help="default min-p (default: 0.0, off)")),
-    ("--max-tokens", dict(type=int, default=512, help="default maximum tokens (default: 512)")),
+    (
+        "--max-tokens",
+        dict(
+            type=positive_int,
+            default=512,
+            help="maximum tokens of a request that does not say (default: 512)",
+        ),
+    ),
     (
         "--chat-template-args",
         dict(type=json.loads, default="{}", help="JSON arguments for apply_chat_template"),
     ),
-    ("--decode-concurrency", dict(type=int, default=32, help="batched decode requests")),
-    ("--prompt-concurrency", dict(type=int, default=8, help="batched prompts")),
-    ("--prefill-step-size", dict(type=int, default=2048, help="prefill step (default: 2048)")),
-    ("--prompt-cache-size", dict(type=int, default=10, help="distinct KV caches kept")),
+    ("--decode-concurrency", dict(type=positive_int, default=32, help="batched decode requests")),
+    ("--prompt-concurrency", dict(type=positive_int, default=8, help="batched prompts")),
+    (
+        "--prefill-step-size",
+        dict(type=positive_int, default=2048, help="prefill step (default: 2048)"),
+    ),
+    ("--prompt-cache-size", dict(type=int_at_least(0), default=10, help="distinct KV caches kept")),
     (
         "--prompt-cache-bytes",
-        dict(type=mlx_server._parse_size, help="maximum size in bytes of the KV caches"),
+        dict(type=_kv_cache_bytes, help="maximum size in bytes of the KV caches (e.g. 8GB)"),
     ),
     ("--kv-bits", dict(type=int, default=None, help="KV cache quantization bits (off)")),
-    ("--kv-group-size", dict(type=int, default=64, help="KV cache quantization group size")),
+    (
+        "--kv-group-size",
+        dict(type=positive_int, default=64, help="KV cache quantization group size"),
+    ),
     (
         "--quantized-kv-start",
         dict(
@@ -107,9 +158,15 @@ MLX_SERVER_FLAGS = (
 
 
 def has_routed_experts(path: Path) -> bool:
-    """Headers only: a converted directory, or safetensors with stacked ``switch_mlp`` experts."""
+    """Headers only: a converted directory, or safetensors with stacked routed experts (the
+    projections of a SwitchGLU / SwitchMLP, stacked over experts, whatever the module's name)."""
+    from ..format.checkpoint import find_stacked_experts
+
     path = Path(path)
-    return is_packed(path) or any(EXPERT_KEY.match(name) for name in index_directory(path))
+    if is_packed(path):
+        return True
+    shapes = {n: r.shape for n, r in index_directory(path).items() if EXPERT_KEY.match(n)}
+    return bool(find_stacked_experts(shapes))
 
 
 class StreamingModelProvider(mlx_server.ModelProvider):
@@ -152,41 +209,326 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         )
 
 
+class ClientGone(ConnectionAbortedError):
+    """The client closed its connection while its reply was being generated."""
+
+
+def client_gone(sock: socket.socket) -> bool:
+    """Whether the peer of ``sock`` closed the connection (readable, and nothing to read)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):  # reset, or already closed
+        return True
+
+
+class _WatchedResponses:
+    """mlx-lm's ``ResponseGenerator`` as one request's handler sees it: its token stream stops
+    (and generation with it: ``ctx.stop()``) as soon as the client has gone away. mlx-lm notices
+    that itself only when a write fails, and a non-streamed reply writes nothing until the end."""
+
+    def __init__(self, inner: Any, handler: mlx_server.APIHandler):
+        self._inner, self._handler = inner, handler
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def generate(self, request, args, progress_callback=None):
+        ctx, responses = self._inner.generate(request, args, progress_callback=progress_callback)
+        return ctx, self._watch(ctx, responses)
+
+    def _watch(self, ctx, responses):
+        n = 0
+        for response in responses:
+            yield response
+            n += 1
+            if client_gone(self._handler.connection):
+                ctx.stop()
+                raise ClientGone(f"the client went away after {n} tokens: generation stopped")
+
+
+class _OpenAIErrors:
+    """The handler's output, with mlx-lm's error bodies (``{"error": "text"}``) in OpenAI's
+    shape (``{"error": {"message": "text", ...}}``), the one clients read the message from (the
+    ``openai`` package shows only "Error code: 400" otherwise). Everything else passes as is."""
+
+    def __init__(self, out: Any, handler: StreamingAPIHandler):
+        self._out, self._handler = out, handler
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._out, name)
+
+    def write(self, data) -> int:
+        status = getattr(self._handler, "_status", 200)
+        if status >= 400 and bytes(data[:10]).startswith(b'{"error":'):
+            try:
+                body = json.loads(bytes(data))
+            except ValueError:
+                body = None
+            if isinstance(body, dict) and isinstance(body.get("error"), str):
+                kind = "invalid_request_error" if status < 500 else "server_error"
+                error = {"message": body["error"], "type": kind, "param": None, "code": None}
+                data = json.dumps({"error": error}).encode()
+        return self._out.write(data)
+
+
+class StreamingAPIHandler(mlx_server.APIHandler):
+    """mlx-lm's request handler with a ``max_tokens`` cap, generation stopped when the client
+    disconnects, and a ``/v1/models`` that always lists the served model.
+
+    ``serve`` makes a subclass that sets ``served_model`` (the id the model is listed under: its
+    resolved path, as mlx-lm names it) and ``max_tokens_limit`` (None: no cap)."""
+
+    served_model: str = ""
+    max_tokens_limit: Optional[int] = None
+
+    def __init__(self, response_generator, *args, **kwargs):
+        self._status = 200
+        super().__init__(_WatchedResponses(response_generator, self), *args, **kwargs)
+
+    def setup(self) -> None:
+        super().setup()
+        self.wfile = _OpenAIErrors(self.wfile, self)
+
+    def send_response(self, code, message=None) -> None:
+        self._status = code
+        super().send_response(code, message)
+
+    def validate_model_parameters(self) -> None:
+        super().validate_model_parameters()
+        limit = self.max_tokens_limit
+        if limit is not None and self.max_tokens > limit:
+            raise ValueError(
+                f"max_tokens {self.max_tokens} is more than this server allows ({limit}, "
+                "its --max-tokens-limit: by default the model's context length)"
+            )
+
+    def _send_json(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self._set_completion_headers(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        self.wfile.flush()
+
+    def _model(self, model_id: str, owner: str) -> dict:
+        return {"id": model_id, "object": "model", "created": self.created, "owned_by": owner}
+
+    def _cached_models(self) -> list:
+        """Models in the Hugging Face cache, as mlx-lm lists them; none when there is no cache."""
+        try:
+            repos = mlx_server.scan_cache_dir().repos
+        except Exception as e:  # noqa: BLE001 - no cache folder (CacheNotFound), unreadable ...
+            log.debug("no Hugging Face cache to list models from (%s)", e)
+            return []
+        need = {"config.json", "model.safetensors.index.json", "tokenizer_config.json"}
+        out = []
+        for repo in repos:
+            try:
+                names = {f.file_path.name for f in repo.refs["main"].files}
+            except (KeyError, AttributeError):
+                continue
+            if repo.repo_type == "model" and need <= names:
+                out.append(self._model(repo.repo_id, "huggingface"))
+        return out
+
+    def handle_models_request(self) -> None:
+        models = [self._model(self.served_model, "moeflux-mlx")]
+        models += [m for m in self._cached_models() if m["id"] != self.served_model]
+        path = urllib.parse.unquote(self.path.split("?", 1)[0])
+        wanted = path[len("/v1/models/") :] if path.startswith("/v1/models/") else ""
+        if not wanted:
+            self._send_json(200, {"object": "list", "data": models})
+            return
+        found = [m for m in models if m["id"] == wanted or wanted == "default_model"]
+        if found:
+            self._send_json(200, found[0])
+        else:
+            self._send_json(
+                404,
+                {
+                    "error": {
+                        "message": f"model {wanted!r} is not served here; GET /v1/models lists "
+                        "what is",
+                        "type": "invalid_request_error",
+                        "code": "model_not_found",
+                    }
+                },
+            )
+
+
+class StreamingHTTPServer(ThreadingHTTPServer):
+    """mlx-lm's server class, made to say a dropped connection in one log line rather than a
+    traceback."""
+
+    daemon_threads = True  # a request still being answered does not hold the process at exit
+
+    def handle_error(self, request, client_address) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, ConnectionError):  # ClientGone, BrokenPipeError, reset
+            log.info("%s: %s", client_address[0], error)
+            return
+        super().handle_error(request, client_address)
+
+
+def context_length(config: dict) -> Optional[int]:
+    """The model's context length (``max_position_embeddings``), None when config.json lacks it."""
+    for section in (config.get("text_config") or {}, config):
+        value = section.get("max_position_embeddings") if isinstance(section, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def listen(host: str, port: int, handler_class, responses_for) -> StreamingHTTPServer:
+    """Take ``host:port`` now, before anything slow: a port in use is one line and exit 2.
+
+    Args:
+        host, port: where to listen (port 0: any free port).
+        handler_class: the request handler class.
+        responses_for: returns the ``ResponseGenerator``; called per request, so the server can
+            be bound before that exists (nothing is accepted before ``serve_forever``).
+
+    Raises:
+        UsageError: the host does not resolve, the port is in use or not allowed.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host}: not an address to listen on ({e.strerror})") from None
+    family, _, _, _, address = infos[0]
+    server_class = type("Server", (StreamingHTTPServer,), {"address_family": family})
+    fingerprint = mlx_server.get_system_fingerprint()
+
+    def handler(*a, **kw):
+        return handler_class(responses_for(), *a, system_fingerprint=fingerprint, **kw)
+
+    try:
+        return server_class(address, handler)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            why = "is already in use (another server?); choose another with --port"
+        elif e.errno == errno.EACCES:
+            why = "is not allowed (ports below 1024 need privileges); choose another with --port"
+        elif e.errno == errno.EADDRNOTAVAIL:
+            why = f"cannot be listened on: {host} is not an address of this machine"
+        else:
+            why = f"cannot be listened on ({e.strerror or e})"
+        raise UsageError(f"{host}:{port} {why}") from None
+
+
 def _stop(signum, frame):
-    raise KeyboardInterrupt  # mlx-lm's server shuts down cleanly on it
+    raise KeyboardInterrupt  # serve() shuts down cleanly on it
 
 
-def serve(args: argparse.Namespace, options: LoadOptions) -> None:
+def serve(
+    args: argparse.Namespace, options: LoadOptions, max_tokens_limit: Optional[int] = None
+) -> None:
     """Run mlx-lm's server on ``args`` (mlx_lm.server's arguments) with experts streamed by
-    ``options``; blocks until Ctrl-C or SIGTERM."""
-    maybe_set_recommended_wired_limit()
+    ``options``; blocks until Ctrl-C or SIGTERM.
+
+    The port is taken first and the model loaded in full before a request is accepted, so a port
+    in use or a damaged model is one line (``UsageError``, ``MoefluxError``), never a server that
+    listens with a dead generation thread.
+    """
     signal.signal(signal.SIGTERM, _stop)
-    mlx_server.run(args.host, args.port, StreamingModelProvider(args, options))
+    handler_class = type(
+        "Handler",
+        (StreamingAPIHandler,),
+        {"served_model": str(Path(args.model).resolve()), "max_tokens_limit": max_tokens_limit},
+    )
+    holder: dict = {}
+    httpd = listen(args.host, args.port, handler_class, lambda: holder["responses"])
+    if not ipaddress.ip_address(httpd.server_address[0]).is_loopback:
+        log.warning(
+            "listening on %s, beyond this machine: mlx_lm.server is not recommended for "
+            "production, as it only implements basic security checks",
+            args.host,
+        )
+    provider = StreamingModelProvider(args, options)
+    try:
+        maybe_set_recommended_wired_limit()
+        _load_now(provider, args)
+        host, port = httpd.server_address[:2]
+        say(
+            f"Serving {args.model} on http://{host}:{port}/v1 (mlx-lm server, experts streamed; "
+            f"max_tokens up to {max_tokens_limit or 'any'}; Ctrl-C stops)"
+        )
+        prompt_cache = mlx_server.LRUPromptCache(args.prompt_cache_size)
+        holder["responses"] = responses = mlx_server.ResponseGenerator(provider, prompt_cache)
+        try:
+            httpd.serve_forever()
+        except KeyboardInterrupt:
+            log.info("stopping")
+        finally:
+            # serve_forever has returned: stop the generation thread, then the connections
+            responses.stop_and_join()
+            _wait_for_native_exit(getattr(responses, "_generation_thread", None))
+    finally:
+        httpd.server_close()
+        model = provider.model
+        if model is not None and hasattr(model, "moeflux"):
+            model.moeflux.close()
+
+
+def _wait_for_native_exit(thread: Optional[threading.Thread], timeout_s: float = 5.0) -> None:
+    """Wait until ``thread`` is gone from the OS too, not only from Python (``join``).
+
+    When a thread that ran compiled MLX functions ends, MLX's thread-local compile cache is
+    destroyed after Python's ``join`` has returned, and it takes the GIL to release the Python
+    objects it holds. If the interpreter is being finalized by then, taking the GIL ends the
+    thread inside that destructor and the process aborts ("terminate called without an active
+    exception", exit 134). So the main thread waits for that last step before exiting."""
+    tid = getattr(thread, "native_id", None)
+    tasks = Path("/proc/self/task")
+    if tid is None:
+        return
+    if not tasks.is_dir():  # no /proc (macOS): give the thread's teardown a moment
+        time.sleep(0.2)
+        return
+    deadline = time.monotonic() + timeout_s
+    while (tasks / str(tid)).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _load_now(provider: StreamingModelProvider, args: argparse.Namespace) -> None:
+    """The model (and a draft model) loaded here, in the main thread, as ``generate`` loads it;
+    mlx-lm's generation thread then finds it loaded."""
+    try:
+        provider.load_default()
+    except MoefluxError:
+        raise
+    except Exception as e:  # noqa: BLE001 - mlx-lm's loaders (draft model, tokenizer) raise many
+        what = f"--draft-model {args.draft_model}" if args.draft_model else args.model
+        raise UsageError(f"{what}: could not be loaded ({type(e).__name__}: {e})") from None
 
 
 def run(args: argparse.Namespace) -> int:
     path = resolve_model(args.model)
-    read_config(path)
+    config = read_config(path)
     if not has_routed_experts(path):
         raise CheckpointError(
-            f"{path}: no routed experts (switch_mlp tensors); nothing to stream "
+            f"{path}: no routed experts (stacked SwitchGLU / SwitchMLP tensors); nothing to stream "
             "(serve it with mlx_lm.server)"
         )
     options = load_options(args)
-    # the expert files are checked here, in one line, rather than in the generation thread
+    if args.draft_model is not None:
+        args.draft_model = str(resolve_model(args.draft_model))
+    # the expert files are checked here, in one line, before the port is taken
     open_store(path, options.expert_io, options.threads)[0].close()
-    args.model = str(path)
+    limit = args.max_tokens_limit or context_length(config)
+    if limit is not None and args.max_tokens > limit:
+        raise UsageError(
+            f"--max-tokens {args.max_tokens} is more than --max-tokens-limit {limit}"
+            + ("" if args.max_tokens_limit else " (the model's context length)")
+        )
+    args.model = str(path.resolve())  # the id /v1/models lists, and what requests may name
     if args.verbose:
         args.log_level = "INFO"
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s - %(levelname)s - %(name)s: %(message)s",
-    )
-    say(
-        f"Serving {path} on http://{args.host}:{args.port}/v1 (mlx-lm server, experts streamed; "
-        "Ctrl-C stops)"
-    )
-    serve(args, options)
+    level = getattr(logging, args.log_level.upper())
+    logging.basicConfig(level=level, format="%(asctime)s - %(levelname)s - %(name)s: %(message)s")
+    logging.getLogger().setLevel(level)  # the command's own setup configured the root already
+    serve(args, options, limit)
     return 0
 
 
@@ -195,7 +537,20 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host", default="127.0.0.1", help="host to listen on (default: 127.0.0.1)"
     )
-    parser.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
+    parser.add_argument(
+        "--port",
+        type=int_at_least(0, 65535),
+        default=8080,
+        help="port (default: 8080; 0: any free port)",
+    )
+    parser.add_argument(
+        "--max-tokens-limit",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="refuse requests for more than N tokens (default: the model's context length, "
+        "max_position_embeddings of config.json)",
+    )
     add_load_args(parser)
     group = parser.add_argument_group("mlx_lm.server's options")
     for flag, kwargs in MLX_SERVER_FLAGS:

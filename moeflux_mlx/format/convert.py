@@ -20,7 +20,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 from tqdm import tqdm
@@ -48,13 +48,22 @@ SKIP_FILES = {"config.json", "model.safetensors.index.json"}
 STATE_FILE = ".moeflux-convert.json"
 
 
-def convert(src, dst, *, verify: bool = False, progress: bool = True) -> Path:
+def convert(
+    src,
+    dst,
+    *,
+    verify: bool = False,
+    progress: bool = True,
+    notify: Optional[Callable[[str], None]] = None,
+) -> Path:
     """Convert the mlx-lm checkpoint ``src`` into a streaming directory ``dst``.
 
     ``src`` is only read. ``dst`` appears in one rename once everything is written (and verified,
     with ``verify=True``), so it never exists half-written. A failed or killed conversion leaves
     ``dst.partial``; a rerun with the same, unchanged source resumes there (files completed before
-    the interruption are kept), otherwise it starts afresh. An existing ``dst`` is never touched.
+    the interruption are kept), otherwise it starts afresh. An existing ``dst`` is never touched:
+    a finished conversion of this same source is returned as it is (nothing to do), an empty
+    directory is replaced by the result, anything else is refused.
 
     Args:
         src: an mlx-lm MoE checkpoint directory (experts stacked, as mlx-lm saves them).
@@ -62,30 +71,38 @@ def convert(src, dst, *, verify: bool = False, progress: bool = True) -> Path:
             contiguous blob per expert) and ``packed_experts/layout.json``.
         verify: re-read everything written and compare it with ``src`` byte for byte.
         progress: show a progress bar.
+        notify: called with a sentence for the user when there is nothing to do, when an
+            interrupted conversion is resumed, or when a stale ``dst.partial`` is discarded.
 
     Returns:
         ``dst``.
 
     Raises:
         CheckpointError: ``src`` is not a usable MoE checkpoint.
-        ConvertError: ``dst`` exists (the message says whether it is a finished conversion of
-            this source), writing failed (disk full, read-only) or the result does not verify.
+        ConvertError: ``dst`` exists and is neither empty nor a finished conversion of this
+            source, is ``src`` itself, writing failed (disk full, read-only) or the result does
+            not verify. The message says whether ``dst.partial`` was kept.
     """
     src, dst = Path(src), Path(dst)
+    say = notify or (lambda message: log.info("%s", message))
     if is_packed(src):
         raise CheckpointError(f"{src}: already a converted moeflux directory")
     ckpt = scan_checkpoint(src)  # every header checked before anything is written
     state = _fingerprint(ckpt)
+    if _same_path(src, dst):
+        raise ConvertError(f"{dst}: is SRC itself; choose another destination")
     if dst.exists() or dst.is_symlink():
-        done = (
-            " (a finished conversion of this source: nothing to do)"
-            if _finished_from(dst, state)
-            else ""
-        )
-        raise ConvertError(f"{dst}: already exists{done}; remove it or choose another destination")
+        if _finished_from(dst, state):
+            say(f"Nothing to do: {dst} is already a finished conversion of {src}.")
+            return dst
+        if not _empty_dir(dst):
+            raise ConvertError(
+                f"{dst}: already exists (and is not a conversion of {src}); remove it or "
+                "choose another destination"
+            )
     work = dst.with_name(dst.name + ".partial")
     try:
-        _prepare_workdir(work, state)
+        _prepare_workdir(work, state, say)
         total = sum(r.nbytes for r in ckpt.dense.values()) + ckpt.layout.total_expert_bytes
         with tqdm(
             total=total, unit="B", unit_scale=True, desc="convert", disable=not progress
@@ -128,10 +145,16 @@ def convert(src, dst, *, verify: bool = False, progress: bool = True) -> Path:
     except MoefluxError:
         raise
     except OSError as e:  # disk full, permission denied on DST, ...
-        raise ConvertError(
-            f"{dst}: conversion failed: {e}; {dst} was not created, the completed "
-            f"part is kept in {work} and a rerun resumes there"
-        ) from e
+        if _empty_dir(work):
+            try:
+                work.rmdir()
+            except OSError:
+                pass
+        if work.is_dir():
+            kept = f"the completed part is kept in {work} and a rerun resumes there"
+        else:  # e.g. a read-only destination: the work directory could not even be made
+            kept = "nothing was written"
+        raise ConvertError(f"{dst}: conversion failed: {e}; {dst} was not created, {kept}") from e
     log.info(
         "converted %s -> %s (%d MoE layers, %.2f GB of experts)",
         src,
@@ -164,18 +187,38 @@ def _finished_from(dst: Path, state: dict) -> bool:
         return False
 
 
-def _prepare_workdir(work: Path, state: dict) -> None:
+def _same_path(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def _empty_dir(path: Path) -> bool:
+    try:
+        return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
+    except OSError:
+        return False
+
+
+def _prepare_workdir(work: Path, state: dict, say: Callable[[str], None]) -> None:
     """Resume in ``work`` if it was left by a conversion of the same source, else start afresh."""
     try:
         if json.loads((work / STATE_FILE).read_text()) == state:
-            log.info("resuming the interrupted conversion in %s", work)
+            done = sum(1 for f in work.rglob("*") if f.is_file() and f.suffix != ".tmp") - 1
+            say(
+                f"Resuming the interrupted conversion in {work} "
+                f"({max(done, 0)} files already written are kept)."
+            )
             return
     except (OSError, ValueError):
         pass
     if _finished_from(work, state):  # killed between the last write and the rename
+        say(f"Resuming in {work}: it holds a complete conversion, only the final rename is left.")
         _atomic_write_text(work / STATE_FILE, json.dumps(state))
         return
     if work.exists() or work.is_symlink():
+        say(f"Discarding {work}: it was left by a conversion of another or a changed source.")
         if work.is_dir() and not work.is_symlink():
             shutil.rmtree(work)
         else:
@@ -254,7 +297,8 @@ def _write_layer(ckpt: CheckpointExperts, layer: int, layout: ExpertLayout, out:
     tmp = out.with_name(out.name + ".tmp")
     try:
         for r in ranges.values():
-            fds.setdefault(r.file, os.open(r.file, os.O_RDONLY))
+            if r.file not in fds:  # one descriptor per file (setdefault would open one per tensor)
+                fds[r.file] = os.open(r.file, os.O_RDONLY)
         with open(tmp, "wb") as f:
             for e0 in range(0, layout.num_experts, per_chunk):
                 n = min(per_chunk, layout.num_experts - e0)
