@@ -52,7 +52,7 @@ if [ "${PREFETCH:-1}" = 1 ]; then  # prefetch on the table path (hint_cuda.cuh),
   echo "prefetch:"; grep -E "^\| moeflux" "$OUT/bench_prefetch_log.txt"
 fi
 if [ "${DISK:-1}" = 1 ]; then  # the VM disk's readahead and the store's cold reads (no GPU)
-  timeout 300 python3 benchmarks/store_read_ab.py --dir /tmp/read-ab \
+  timeout 300 python3 benchmarks/probes/store_read_ab.py --dir /tmp/read-ab \
     --sweep 256:8,256:16,1024:8,2048:8 > "$OUT/store_read_ab.txt" 2>&1
   echo "store reads:"; tail -16 "$OUT/store_read_ab.txt"
 fi

@@ -11,7 +11,7 @@ counts (decode misses ~1 expert per layer at a time: latency, not throughput). `
 a third mode: readahead off while the decode benchmark's ``PageCacheDropper`` drops the files
 every millisecond beside the reads, as it does during cold runs (does the dropping slow them?).
 
-    python benchmarks/store_read_ab.py [--dir /tmp/moeflux-read-ab] [--rounds 3] [--batches 20]
+    python benchmarks/probes/store_read_ab.py [--dir /tmp/moeflux-read-ab] [--rounds 3] [--batches 20]
                                        [--sweep 256:8,512:16,1024:8,2048:8] [--dropper]
 """
 
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 
