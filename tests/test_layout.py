@@ -140,3 +140,15 @@ def test_no_issue_numbers_in_the_tree():
             continue
         hits += [f"{f}: {m.group(0)}" for m in pattern.finditer(text)]
     assert not hits, "\n".join(hits[:20])
+
+
+def test_the_front_page_and_benchmarks_stay_curated():
+    """README a front page (at most 160 lines), at most 8 scripts on top of benchmarks/, each
+    described in benchmarks/README.md, and at most 40 result files (the current figures)."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 160
+    bench = ROOT / "benchmarks"
+    scripts = sorted(p.name for p in bench.iterdir() if p.suffix in (".py", ".sh"))
+    assert len(scripts) <= 8, scripts
+    readme = (bench / "README.md").read_text()
+    assert [s for s in scripts if f"## {s}" not in readme] == []
+    assert len(list((bench / "results").iterdir())) <= 40
