@@ -11,6 +11,7 @@ Plain Python: the miss server process imports it without MLX.
     MOEFLUX_BACKEND              backend         auto | ops | metal | cuda
     MOEFLUX_DEVICE_TABLE         device_table    0/off/false/no | 1/on/true/yes (unset: where CUDA is)
     MOEFLUX_SLOT_WRITES          slot_writes     host | device (unset: by the device)
+    MOEFLUX_EVICTION             eviction        lru | lfu | lfuda | decay
     MOEFLUX_WAIT_TIMEOUT_S       wait_timeout_s  how long the GPU waits for the miss server (> 0)
     MOEFLUX_SERVER_POLL_US       server_poll_us  the miss server's poll interval after a request
     MOEFLUX_SERVER_POLL_MAX_US   server_poll_max_us  ... growing to this while no request comes
@@ -36,6 +37,7 @@ from .errors import OptionError
 IO_MODES = ("auto", "mmap", "pread")
 BACKENDS = ("auto", "ops", "metal", "cuda")
 SLOT_WRITES = ("host", "device")
+EVICTIONS = ("lru", "lfu", "lfuda", "decay")  # cache.policy.POLICIES
 DEFAULT_RAM_FRACTION = (
     0.4  # of physical RAM: the cache budget when none is given and the experts do not fit
 )
@@ -87,6 +89,7 @@ ENVIRONMENT: Dict[str, Tuple[str, Callable[[str], Any]]] = {
     "backend": ("MOEFLUX_BACKEND", _Choice(BACKENDS)),
     "device_table": ("MOEFLUX_DEVICE_TABLE", _switch),
     "slot_writes": ("MOEFLUX_SLOT_WRITES", _Choice(SLOT_WRITES)),
+    "eviction": ("MOEFLUX_EVICTION", _Choice(EVICTIONS)),
     "wait_timeout_s": ("MOEFLUX_WAIT_TIMEOUT_S", _number(0, strict_minimum=True)),
     "server_poll_us": ("MOEFLUX_SERVER_POLL_US", _number(0, strict_minimum=False)),
     "server_poll_max_us": ("MOEFLUX_SERVER_POLL_MAX_US", _number(0, strict_minimum=False)),
@@ -109,6 +112,7 @@ _ARGUMENTS: Dict[str, Callable[[Any], Any]] = {
     "expert_io": ENVIRONMENT["expert_io"][1],
     "backend": ENVIRONMENT["backend"][1],
     "slot_writes": ENVIRONMENT["slot_writes"][1],
+    "eviction": ENVIRONMENT["eviction"][1],
     "threads": _positive_int,
     "cache_budget": _check_budget,
     "wait_timeout_s": ENVIRONMENT["wait_timeout_s"][1],
@@ -134,6 +138,8 @@ class LoadOptions:
             wherever it can run.
         slot_writes: ``host`` (into the pool's memory through a host view) or ``device`` (through
             host staging and a GPU scatter); None: ``device`` on CUDA, else ``host``.
+        eviction: which resident expert a miss replaces (``cache.policy``): ``lru`` (default),
+            ``lfu``, ``lfuda`` or ``decay``. The device-side table's layers keep LRU.
         wait_timeout_s: how long the GPU waits for the miss server before it gives up.
         server_poll_us, server_poll_max_us: the miss server's poll interval after a request, and
             the cap it grows to while no request comes.
@@ -148,6 +154,7 @@ class LoadOptions:
     threads: int = 8
     device_table: Optional[bool] = None
     slot_writes: Optional[str] = None
+    eviction: str = "lru"
     wait_timeout_s: float = 60.0
     server_poll_us: float = 20.0
     server_poll_max_us: float = 1000.0

@@ -3,7 +3,12 @@ which slot) and the choice of the slots to free for missing experts. Plain numpy
 process uses them without MLX.
 
 A policy is a class: ``EvictionPolicy`` keeps the bookkeeping, a subclass says which slots are
-used (``touch``) and which to free (``victims``). ``LRUPolicy`` evicts the least recently used.
+used (``touch``) and which to free (``victims``). ``POLICIES`` names them (``LoadOptions
+.eviction``): ``lru`` evicts the least recently used; ``lfu`` the least frequently used (use counts
+kept across evictions); ``lfuda`` LFU with dynamic aging (an expert's priority is its count plus
+the priority of the last one evicted, so old fame fades); ``decay`` the lowest exponentially
+decayed use count. Ties go to the least recently used. The device-side table's miss server keeps
+LRU (its GPU records last uses only).
 
 With the device-side table, ``slot_of`` is a view into the shared control block
 (``cuda.control_block``), read by the GPU, and the LRU's ``device_last`` another, where the GPU
@@ -31,6 +36,7 @@ class EvictionPolicy:
         self.slot_of = slot_of if slot_of is not None else np.full(num_experts, -1, np.int64)
         self.expert_in = np.full(n_slots, -1, np.int64)  # slot -> expert (only the host needs it)
         self.clock = np.zeros(1, np.int64)  # one tick per call (the table's is in the block)
+        self.now = 0  # the tick of the call being admitted (set by admit)
 
     def admit(self, experts: np.ndarray, tick: int) -> Tuple[np.ndarray, np.ndarray]:
         """Mark the resident ones used; pick and free a victim slot for each missing one.
@@ -40,6 +46,7 @@ class EvictionPolicy:
         leave a slot that claims an expert whose bytes never arrived."""
         slots = self.slot_of[experts]
         hit = slots >= 0
+        self.now = tick  # the call being admitted: its hits must not be victims
         self.touch(slots[hit], tick)
         missing = experts[~hit]
         if not missing.size:
@@ -103,3 +110,108 @@ class LRUPolicy(EvictionPolicy):
 
     def forget(self, slots: np.ndarray) -> None:
         self.last_used[slots] = -1
+
+
+class _CountingPolicy(LRUPolicy):
+    """LRU's bookkeeping plus a score per expert; the victims are the lowest scores (free slots
+    first, ties by last use)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        n_slots: int,
+        slot_of: Optional[np.ndarray] = None,
+        device_last: Optional[np.ndarray] = None,
+    ):
+        super().__init__(num_experts, n_slots, slot_of, device_last)
+        self.count = np.zeros(num_experts, np.float64)  # uses per expert, kept across evictions
+
+    def score(self, experts: np.ndarray, tick: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def touch(self, slots: np.ndarray, tick: int) -> None:
+        super().touch(slots, tick)
+        experts = self.expert_in[slots]
+        self.count[experts[experts >= 0]] += 1
+
+    def victims(self, n: int) -> np.ndarray:
+        used = self.expert_in >= 0
+        score = np.full(self.expert_in.size, -np.inf)  # free slots first
+        score[used] = self.score(self.expert_in[used], self.now)
+        score[self.last_used == self.now] = np.inf  # this call's hits stay (admit touched them)
+        order = np.lexsort((self.last_used, score))  # by score, then oldest use
+        return order[:n]
+
+
+class LFUPolicy(_CountingPolicy):
+    """Least frequently used: the fewest uses so far (ties: least recently used)."""
+
+    name = "lfu"
+
+    def score(self, experts: np.ndarray, tick: int) -> np.ndarray:
+        return self.count[experts]
+
+
+class LFUDAPolicy(_CountingPolicy):
+    """LFU with dynamic aging: priority = uses + the cache's age, where the age is the priority
+    of the last expert evicted; an expert used often long ago ages out."""
+
+    name = "lfuda"
+
+    def __init__(
+        self,
+        num_experts: int,
+        n_slots: int,
+        slot_of: Optional[np.ndarray] = None,
+        device_last: Optional[np.ndarray] = None,
+    ):
+        super().__init__(num_experts, n_slots, slot_of, device_last)
+        self.age = 0.0
+        self.priority = np.zeros(num_experts, np.float64)
+
+    def touch(self, slots: np.ndarray, tick: int) -> None:
+        super().touch(slots, tick)
+        experts = self.expert_in[slots]
+        experts = experts[experts >= 0]
+        self.priority[experts] = self.count[experts] + self.age
+
+    def score(self, experts: np.ndarray, tick: int) -> np.ndarray:
+        return self.priority[experts]
+
+    def victims(self, n: int) -> np.ndarray:
+        out = super().victims(n)
+        evicted = self.expert_in[out]
+        evicted = evicted[evicted >= 0]
+        if evicted.size:
+            self.age = float(self.priority[evicted].max())
+        return out
+
+
+class DecayPolicy(_CountingPolicy):
+    """The lowest use count decayed exponentially with a half-life of ``half_life`` calls."""
+
+    name = "decay"
+    half_life = 8.0  # calls; the best of 8/32/128 on random-weight traces (docs/benchmarks.md)
+
+    def __init__(
+        self,
+        num_experts: int,
+        n_slots: int,
+        slot_of: Optional[np.ndarray] = None,
+        device_last: Optional[np.ndarray] = None,
+    ):
+        super().__init__(num_experts, n_slots, slot_of, device_last)
+        self.at = np.zeros(num_experts, np.int64)  # the call each count was last brought up to
+
+    def touch(self, slots: np.ndarray, tick: int) -> None:
+        experts = self.expert_in[slots]
+        experts = experts[experts >= 0]
+        self.count[experts] *= 0.5 ** ((tick - self.at[experts]) / self.half_life)
+        self.at[experts] = tick
+        super().touch(slots, tick)
+
+    def score(self, experts: np.ndarray, tick: int) -> np.ndarray:
+        return self.count[experts] * 0.5 ** ((tick - self.at[experts]) / self.half_life)
+
+
+POLICIES = {p.name: p for p in (LRUPolicy, LFUPolicy, LFUDAPolicy, DecayPolicy)}

@@ -27,6 +27,7 @@ from ..model.load import load
 from ..options import (
     BACKENDS,
     BINARY_UNITS,
+    EVICTIONS,
     IO_MODES,
     SI_UNITS,
     LoadOptions,
@@ -137,6 +138,15 @@ LOAD_OPTIONS = (
             choices=BACKENDS,
             help="expert kernels (default: $MOEFLUX_BACKEND or "
             "auto: metal on Metal, cuda on CUDA, ops on the CPU)",
+        ),
+    ),
+    (
+        "--eviction",
+        dict(
+            type=str.lower,
+            choices=EVICTIONS,
+            help="which resident expert a miss replaces: lru (least recently used), lfu, lfuda "
+            "(LFU with aging) or decay (decayed use counts) (default: $MOEFLUX_EVICTION or lru)",
         ),
     ),
     (

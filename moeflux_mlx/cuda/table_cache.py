@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache.budget import BudgetCache
+from ..cache.policy import POLICIES
 from ..cache.pool import DeviceStaging, ExpertPool, SlotPool
 from ..format.layout import ModelLayout
 from ..io.prefetch import Prefetcher
@@ -59,7 +60,10 @@ class TableCache(BudgetCache):
         staging: Optional[DeviceStaging] = None,
         prefetcher: Optional[Prefetcher] = None,
     ):
-        super().__init__(store, layout, budget_bytes, staging, prefetcher)
+        # the layers the table serves keep the miss server's LRU; the others take options.eviction
+        super().__init__(
+            store, layout, budget_bytes, staging, prefetcher, policy=POLICIES[options.eviction]
+        )
         self.wait_s = options.wait_timeout_s
         self.control = ControlBlock(
             table_layers(layout, self.n_slots, options.table_every_layer), allocate=PinnedBuffer

@@ -149,6 +149,7 @@ def patch_model(
     prefetch: Optional[bool] = None,
     threads: Optional[int] = None,
     device_table: Optional[bool] = None,
+    eviction: Optional[str] = None,
     options: Optional[LoadOptions] = None,
 ) -> nn.Module:
     """Replace the routed experts of an mlx-lm ``model`` by streaming modules.
@@ -157,7 +158,8 @@ def patch_model(
         model: an mlx-lm model built by the user, e.g. ``mlx_lm.load(path, lazy=True)[0]`` (the
             experts' weights are then never read).
         source: a converted directory or the plain mlx-lm checkpoint the experts are read from.
-        expert_io, backend, cache_budget, prefetch, threads, device_table: see ``LoadOptions``
+        expert_io, backend, cache_budget, prefetch, threads, device_table, eviction: see
+            ``LoadOptions``
             (None: from ``options``, else the ``MOEFLUX_*`` variables, else the default).
         options: all of them at once.
 
@@ -179,6 +181,7 @@ def patch_model(
             prefetch=prefetch,
             threads=threads,
             device_table=device_table,
+            eviction=eviction,
         ),
     )
     runtime = _make_runtime(source, opts)
@@ -201,6 +204,7 @@ def load(
     prefetch: Optional[bool] = None,
     threads: Optional[int] = None,
     device_table: Optional[bool] = None,
+    eviction: Optional[str] = None,
     model_config: Optional[dict] = None,
     tokenizer_config: Optional[dict] = None,
     options: Optional[LoadOptions] = None,
@@ -218,6 +222,8 @@ def load(
         threads: parallel reads of the ``pread`` store.
         device_table: CUDA: decode looks slots up on the GPU, and only the GPU waits, only on
             misses, for a helper process that reads them (default: on where CUDA is).
+        eviction: which resident expert a miss replaces: ``lru`` (default), ``lfu``,
+            ``lfuda`` or ``decay`` (``cache.policy``).
         model_config, tokenizer_config: as for ``mlx_lm.load``.
         lazy: as for ``mlx_lm.load``: the dense weights are read when first used, not now.
         options: every load option at once (``LoadOptions``); keyword arguments given override it.
@@ -242,6 +248,7 @@ def load(
             prefetch=prefetch,
             threads=threads,
             device_table=device_table,
+            eviction=eviction,
         ),
     )
     runtime = _make_runtime(path, opts)

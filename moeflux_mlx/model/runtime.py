@@ -9,6 +9,7 @@ from typing import Optional
 
 from ..cache import wired
 from ..cache.budget import BudgetCache, slots_per_layer
+from ..cache.policy import POLICIES
 from ..cache.pool import DeviceStaging
 from ..cache.protocol import ExpertCache
 from ..cache.staging import StagingCache
@@ -82,7 +83,9 @@ def make_cache(
         if table:
             cache = TableCache(store, layout, budget_bytes, options, staging, prefetcher)
         else:
-            cache = BudgetCache(store, layout, budget_bytes, staging, prefetcher)
+            cache = BudgetCache(
+                store, layout, budget_bytes, staging, prefetcher, policy=POLICIES[options.eviction]
+            )
     except BaseException:
         if prefetcher is not None:
             prefetcher.close()
