@@ -125,6 +125,10 @@ class _CountingPolicy(LRUPolicy):
     ):
         super().__init__(num_experts, n_slots, slot_of, device_last)
         self.count = np.zeros(num_experts, np.float64)  # uses per expert, kept across evictions
+        self.setup(num_experts)
+
+    def setup(self, num_experts: int) -> None:
+        """A subclass's own per-expert state."""
 
     def score(self, experts: np.ndarray, tick: int) -> np.ndarray:
         raise NotImplementedError
@@ -158,14 +162,7 @@ class LFUDAPolicy(_CountingPolicy):
 
     name = "lfuda"
 
-    def __init__(
-        self,
-        num_experts: int,
-        n_slots: int,
-        slot_of: Optional[np.ndarray] = None,
-        device_last: Optional[np.ndarray] = None,
-    ):
-        super().__init__(num_experts, n_slots, slot_of, device_last)
+    def setup(self, num_experts: int) -> None:
         self.age = 0.0
         self.priority = np.zeros(num_experts, np.float64)
 
@@ -193,14 +190,7 @@ class DecayPolicy(_CountingPolicy):
     name = "decay"
     half_life = 8.0  # calls; the best of 8/32/128 on random-weight traces (docs/benchmarks.md)
 
-    def __init__(
-        self,
-        num_experts: int,
-        n_slots: int,
-        slot_of: Optional[np.ndarray] = None,
-        device_last: Optional[np.ndarray] = None,
-    ):
-        super().__init__(num_experts, n_slots, slot_of, device_last)
+    def setup(self, num_experts: int) -> None:
         self.at = np.zeros(num_experts, np.int64)  # the call each count was last brought up to
 
     def touch(self, slots: np.ndarray, tick: int) -> None:
