@@ -35,9 +35,11 @@ __version__ = "0.1.0"
 
 _LAZY = {name: "model.load" for name in ("load", "patch_model", "reset_stats", "stats")}
 _LAZY["StreamingRuntime"] = "model.runtime"
+_LAZY["sharded_load"] = "model.sharded"
 
 __all__ = [
     "load",
+    "sharded_load",
     "patch_model",
     "stats",
     "reset_stats",

@@ -21,10 +21,12 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 from ..errors import ExpertReadError
 from .common import (
     PROG,
+    add_distributed_args,
     add_load_args,
     add_model_arg,
     add_sampling_args,
     command_parser,
+    distributed,
     load_model,
     main_for,
     make_sampler,
@@ -119,17 +121,21 @@ class ChatSession:
                 self.cache, self.cached = make_prompt_cache(self.model), []
 
 
-def reply(session: ChatSession, text: str, args: argparse.Namespace, sampler) -> None:
+def reply(session: ChatSession, text: str, args: argparse.Namespace, sampler, group=None) -> None:
     runtime = getattr(session.model, "moeflux", None)
     if runtime is not None:
         runtime.reset_stats()
     # closing(): an interrupted reply runs send()'s cleanup now, not whenever it is collected
     with contextlib.closing(session.send(text, max_tokens=args.max_tokens, sampler=sampler)) as s:
         last = print_stream(s)
-    say(stats_line(last, runtime, session.reused_tokens))
+    say(stats_line(last, runtime, session.reused_tokens, group))
 
 
-def chat_loop(session: ChatSession, args: argparse.Namespace, sampler, read=input) -> None:
+def chat_loop(
+    session: ChatSession, args: argparse.Namespace, sampler, read=input, group=None
+) -> None:
+    """Read messages and answer them until /quit or end of input. Under mlx.launch every
+    process reads the same lines (the launcher hands its input to each) and answers together."""
     say(HELP)
     while True:
         try:
@@ -155,7 +161,7 @@ def chat_loop(session: ChatSession, args: argparse.Namespace, sampler, read=inpu
         if text.startswith("//"):
             text = text[1:]
         try:
-            reply(session, text, args, sampler)
+            reply(session, text, args, sampler, group)
         except KeyboardInterrupt:
             say("\n[interrupted: this turn is forgotten]")
         except ExpertReadError as e:  # the model stays usable: the next turn reads again
@@ -164,18 +170,19 @@ def chat_loop(session: ChatSession, args: argparse.Namespace, sampler, read=inpu
 
 def run(args: argparse.Namespace) -> int:
     prompt = None if args.prompt is None else read_prompt(args.prompt)
-    model, tokenizer = load_model(args)
+    group = distributed()  # under mlx.launch: this process's share; rank 0 prints
+    model, tokenizer = load_model(args, group=group)
     try:
         session = ChatSession(model, tokenizer, args.system_prompt)
         sampler = make_sampler(args)
         if prompt is not None:
-            reply(session, prompt, args, sampler)
+            reply(session, prompt, args, sampler, group)
             return 0
         try:
             importlib.import_module("readline")  # importing it gives input() editing and history
         except ImportError:
             pass
-        chat_loop(session, args, sampler)
+        chat_loop(session, args, sampler, group=group)
         return 0
     finally:
         model.moeflux.close()
@@ -192,6 +199,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system-prompt", default=None, help="system prompt for the chat template")
     add_sampling_args(parser, DEFAULT_MAX_TOKENS)
     add_load_args(parser)
+    add_distributed_args(parser)
 
 
 def main(argv: Optional[list] = None) -> int:

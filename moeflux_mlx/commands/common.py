@@ -16,14 +16,17 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generation_stream
 from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
 from mlx_lm.utils import _download
 
 from ..errors import CheckpointError, MoefluxError
 from ..model.load import load
+from ..model.sharded import sharded_load
 from ..options import (
     BACKENDS,
     BINARY_UNITS,
@@ -54,6 +57,7 @@ class UsageError(MoefluxError):
 
 EXIT_ERROR = 2  # a moeflux error, a bad flag or variable: one line on stderr
 EXIT_INTERRUPTED = 130  # Ctrl-C
+_RANK = 0  # this process's rank under mlx.launch: only rank 0 prints (errors excepted)
 
 
 # --------------------------------------------------------------------------- flag value types
@@ -254,6 +258,58 @@ def make_sampler(args: argparse.Namespace):
     return mlx_make_sampler(args.temp, args.top_p)
 
 
+def add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    """``--pipeline``, as mlx-lm's commands take it; it counts under ``mlx.launch`` only."""
+    parser.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="under mlx.launch: give each process a range of layers (pipeline) instead of a "
+        "part of every layer (tensor parallelism); each reads only its share of the experts",
+    )
+
+
+def distributed() -> Optional[mx.distributed.Group]:
+    """MLX's group when ``mlx.launch`` started this process with others, else None.
+
+    Every process but rank 0 is silenced from here on: its standard output goes nowhere, and
+    its status lines and warnings are not shown; its errors are, marked with its rank.
+
+    Returns:
+        The group (size > 1), or None for a process on its own.
+    """
+    global _RANK
+    group = mx.distributed.init()
+    if group.size() < 2:
+        return None
+    _RANK = group.rank()
+    if _RANK:
+        sys.stdout = open(os.devnull, "w")  # for the rest of the process
+        logging.disable(logging.WARNING)
+    return group
+
+
+def gather_text(text: str, group: Optional[mx.distributed.Group]) -> List[str]:
+    """Every process's ``text``, in rank order (``[text]`` without a group). A collective:
+    every process of ``group`` must call it, in the same order."""
+    if group is None:
+        return [text]
+    # the model's last steps (and their collectives) may still run on mlx-lm's stream: they
+    # finish first, so that every process's collectives come in the same order
+    mx.synchronize(generation_stream)
+    data = np.frombuffer(text.encode(), np.uint8)
+    sizes = mx.distributed.all_gather(mx.array([data.size]), group=group, stream=mx.cpu)
+    padded = np.zeros(max(int(mx.max(sizes).item()), 1), np.uint8)
+    padded[: data.size] = data
+    rows = mx.distributed.all_gather(mx.array(padded[None]), group=group, stream=mx.cpu)
+    rows_np, sizes_np = np.array(rows), np.array(sizes)
+    return [bytes(rows_np[r, : sizes_np[r]]).decode() for r in range(group.size())]
+
+
+def per_rank(texts: List[str]) -> str:
+    """``texts`` of every process: as is for one, else ``rank 0: ...; rank 1: ...``."""
+    return texts[0] if len(texts) == 1 else "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts))
+
+
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verbose",
@@ -271,8 +327,10 @@ def device_name() -> str:
 
 
 def say(message: str) -> None:
-    """A status line for the person at the terminal (stderr: stdout carries the output)."""
-    print(message, file=sys.stderr, flush=True)
+    """A status line for the person at the terminal (stderr: stdout carries the output); rank
+    0's only, under mlx.launch."""
+    if _RANK == 0:
+        print(message, file=sys.stderr, flush=True)
 
 
 def fmt_bytes(n: float, unit: Optional[str] = None) -> str:
@@ -330,25 +388,45 @@ def resolve_model(model: Optional[str]) -> Path:
         ) from e
 
 
-def load_model(args: argparse.Namespace, path: Optional[Path] = None):
-    """``moeflux_mlx.load`` with the command's options; prints what was loaded."""
+def load_model(
+    args: argparse.Namespace,
+    path: Optional[Path] = None,
+    group: Optional[mx.distributed.Group] = None,
+):
+    """``moeflux_mlx.load`` with the command's options, or with a ``group`` (``distributed()``)
+    ``moeflux_mlx.sharded_load``: a pipeline with ``--pipeline``, else tensor parallelism.
+    Prints what was loaded (under mlx.launch: each process's share)."""
     options = load_options(args)  # a bad MOEFLUX_* variable fails before anything is read
     path = resolve_model(args.model) if path is None else path
-    say(f"Loading {path} ...")
     t0 = time.perf_counter()
-    model, tokenizer = load(path, options=options)
+    if group is None:
+        say(f"Loading {path} ...")
+        model, tokenizer = load(path, options=options)
+        split = ""
+    else:
+        pipeline = getattr(args, "pipeline", False)
+        split = f" ({'pipeline' if pipeline else 'tensor parallel'} over {group.size()} processes)"
+        say(f"Loading {path}{split} ...")
+        model, tokenizer = sharded_load(
+            path,
+            pipeline_group=group if pipeline else None,
+            tensor_group=None if pipeline else group,
+            options=options,
+        )
     rt = model.moeflux
     # the backend as the runtime reports it: what computes the experts, not what was asked for
     info = rt.stats_dict()
     budget = rt.options.cache_budget
     cache = info.get("cache", "?")
+    total = rt.layout.total_expert_bytes
     if budget is not None:  # shown in the units it was given in
-        total = rt.layout.total_expert_bytes
         cache += f", budget {fmt_budget(budget, total)}"
+    n = len(rt.layout.layers)
+    layers = gather_text(f"{n} MoE layer{'s' * (n != 1)}, {fmt_bytes(total)}", group)
     say(
-        f"Loaded in {time.perf_counter() - t0:.1f} s: {len(rt.layout.layers)} MoE layers, "
-        f"{fmt_bytes(rt.layout.total_expert_bytes)} of experts streamed from disk "
-        f"(expert I/O: {info['io_mode']}, cache: {cache}, backend: {info['backend']})."
+        f"Loaded in {time.perf_counter() - t0:.1f} s{split}: {per_rank(layers)} of experts "
+        f"streamed from disk (expert I/O: {info['io_mode']}, cache: {cache}, "
+        f"backend: {info['backend']})."
     )
     return model, tokenizer
 
@@ -376,8 +454,10 @@ def setup_logging(verbose: bool, configure_root: bool = True) -> None:
 
 
 def error(message: str) -> int:
-    """Print ``moeflux-mlx: error: MESSAGE`` (one line, stderr); return the error exit status."""
-    print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    """Print ``moeflux-mlx: error: MESSAGE`` (one line, stderr; under mlx.launch, rank N > 0
+    says ``(rank N)``); return the error exit status."""
+    rank = f"(rank {_RANK}) " if _RANK else ""
+    print(f"{PROG}: error: {rank}{' '.join(str(message).split())}", file=sys.stderr, flush=True)
     return EXIT_ERROR
 
 
@@ -457,8 +537,14 @@ def print_stream(responses: Iterable, out=None):
     return last
 
 
-def stats_line(last, runtime=None, reused: Optional[int] = None) -> str:
-    """``[prompt: ... | reply: ... | peak memory ... | experts: ...]`` for one reply."""
+def stats_line(
+    last, runtime=None, reused: Optional[int] = None, group: Optional[mx.distributed.Group] = None
+) -> str:
+    """``[prompt: ... | reply: ... | peak memory ... | experts: ...]`` for one reply; with a
+    ``group``, each process's experts (a collective: every process calls it)."""
+    experts = None if runtime is None else expert_summary(runtime.stats_dict())
+    if experts is not None:
+        experts = per_rank(gather_text(experts, group))
     if last is None:
         return "[no tokens generated]"
     cached = f" ({reused} cached)" if reused is not None else ""
@@ -467,8 +553,8 @@ def stats_line(last, runtime=None, reused: Optional[int] = None) -> str:
         f"reply: {last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s",
         f"peak memory {fmt_bytes(last.peak_memory * 1e9)}",
     ]
-    if runtime is not None:
-        parts.append("experts: " + expert_summary(runtime.stats_dict()))
+    if experts is not None:
+        parts.append("experts: " + experts)
     return "[" + " | ".join(parts) + "]"
 
 

@@ -11,10 +11,12 @@ from mlx_lm import stream_generate
 from .common import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_PROMPT,
+    add_distributed_args,
     add_load_args,
     add_model_arg,
     add_sampling_args,
     command_parser,
+    distributed,
     load_model,
     main_for,
     make_sampler,
@@ -30,7 +32,8 @@ DESCRIPTION = "generate a reply to one prompt"
 
 def run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args.prompt)  # before loading: an unreadable stdin fails at once
-    model, tokenizer = load_model(args)
+    group = distributed()  # under mlx.launch: this process's share; rank 0 prints
+    model, tokenizer = load_model(args, group=group)
     try:
         tokens = prompt_tokens(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)
         model.moeflux.reset_stats()
@@ -39,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
                 model, tokenizer, tokens, max_tokens=args.max_tokens, sampler=make_sampler(args)
             )
         )
-        say(stats_line(last, model.moeflux))
+        say(stats_line(last, model.moeflux, group=group))
     finally:
         model.moeflux.close()
     return 0
@@ -60,6 +63,7 @@ def add_args(
     )
     add_sampling_args(p, max_tokens)
     add_load_args(p)
+    add_distributed_args(p)
 
 
 def main(argv: Optional[list] = None) -> int:

@@ -29,6 +29,7 @@ import gc
 import ipaddress
 import json
 import logging
+import os
 import select
 import signal
 import socket
@@ -52,12 +53,14 @@ from ..format.checkpoint import EXPERT_KEY, is_packed, read_config
 from ..format.safetensors import index_directory
 from ..io.store import open_store
 from ..model.load import load
+from ..model.sharded import sharded_load
 from ..options import LoadOptions
 from .common import (
     UsageError,
     add_load_args,
     add_model_arg,
     command_parser,
+    distributed,
     int_at_least,
     load_options,
     main_for,
@@ -153,7 +156,14 @@ MLX_SERVER_FLAGS = (
             help="token position where KV cache quantization starts",
         ),
     ),
-    ("--pipeline", dict(action="store_true", help="pipelining instead of tensor parallelism")),
+    (
+        "--pipeline",
+        dict(
+            action="store_true",
+            help="under mlx.launch: a pipeline (each process a range of layers) instead of "
+            "tensor parallelism; each process reads only its share of the experts",
+        ),
+    ),
 )
 
 
@@ -186,14 +196,24 @@ class StreamingModelProvider(mlx_server.ModelProvider):
             raise CheckpointError(
                 f"{adapter_path}: adapters are not supported with streamed experts"
             )
-        if self.is_distributed:
-            raise CheckpointError(f"{path}: streamed experts do not run distributed yet")
         # as mlx-lm's provider does: the old model's buffers go back before the new one loads
         self.reset()
         gc.collect()
         mx.clear_cache()
-        log.info("loading %s with moeflux_mlx.load (experts stream from disk)", path)
-        model, tokenizer = load(path, tokenizer_config=self._tokenizer_config, options=self.options)
+        if self.is_distributed:  # the groups mlx-lm's provider chose from --pipeline
+            log.info("loading this process's share of %s (experts stream from disk)", path)
+            model, tokenizer = sharded_load(
+                path,
+                self.pipeline_group,
+                self.tensor_group,
+                tokenizer_config=self._tokenizer_config,
+                options=self.options,
+            )
+        else:
+            log.info("loading %s with moeflux_mlx.load (experts stream from disk)", path)
+            model, tokenizer = load(
+                path, tokenizer_config=self._tokenizer_config, options=self.options
+            )
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
         draft_model = None
@@ -422,16 +442,23 @@ def _stop(signum, frame):
 
 
 def serve(
-    args: argparse.Namespace, options: LoadOptions, max_tokens_limit: Optional[int] = None
+    args: argparse.Namespace,
+    options: LoadOptions,
+    max_tokens_limit: Optional[int] = None,
+    rank: int = 0,
 ) -> None:
     """Run mlx-lm's server on ``args`` (mlx_lm.server's arguments) with experts streamed by
     ``options``; blocks until Ctrl-C or SIGTERM.
 
     The port is taken first and the model loaded in full before a request is accepted, so a port
     in use or a damaged model is one line (``UsageError``, ``MoefluxError``), never a server that
-    listens with a dead generation thread.
+    listens with a dead generation thread. Under mlx.launch only rank 0 listens; the other
+    processes load their share and generate with it, as in mlx-lm's server (``rank`` > 0).
     """
     signal.signal(signal.SIGTERM, _stop)
+    if rank > 0:
+        _serve_share(args, options)
+        return
     handler_class = type(
         "Handler",
         (StreamingAPIHandler,),
@@ -466,6 +493,48 @@ def serve(
             _wait_for_native_exit(getattr(responses, "_generation_thread", None))
     finally:
         httpd.server_close()
+        model = provider.model
+        if model is not None and hasattr(model, "moeflux"):
+            model.moeflux.close()
+
+
+class _PeerGone(logging.Filter):
+    """Drops mlx-lm's report that the generation thread died because rank 0 went away."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "connection to a peer was lost" not in record.getMessage()
+
+
+def _expect_peer_gone() -> None:
+    """Rank 0 stopping ends this process's generation loop with a lost connection: expected,
+    so neither mlx-lm's report of it nor the ring backend's (written by MLX's C++ code to file
+    descriptor 2) is shown. Python's own messages (``sys.stderr``, logging) still are."""
+    logging.getLogger().addFilter(_PeerGone())
+    stream = sys.stderr
+    sys.stderr = os.fdopen(os.dup(2), "w", buffering=1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is stream:
+            handler.setStream(sys.stderr)
+
+
+def _serve_share(args: argparse.Namespace, options: LoadOptions) -> None:
+    """A process of rank > 0 under mlx.launch: its share of the model, and mlx-lm's generation
+    loop, which takes each request from rank 0 (``mlx_lm.server.run`` on such a rank)."""
+    provider = StreamingModelProvider(args, options)
+    try:
+        _load_now(provider, args)
+        _expect_peer_gone()
+        prompt_cache = mlx_server.LRUPromptCache(args.prompt_cache_size)
+        responses = mlx_server.ResponseGenerator(provider, prompt_cache)
+        try:
+            responses.join()
+        except KeyboardInterrupt:
+            responses.stop_and_join()
+        _wait_for_native_exit(getattr(responses, "_generation_thread", None))
+    finally:
         model = provider.model
         if model is not None and hasattr(model, "moeflux"):
             model.moeflux.close()
@@ -512,10 +581,15 @@ def run(args: argparse.Namespace) -> int:
             "(serve it with mlx_lm.server)"
         )
     options = load_options(args)
+    group = distributed()  # under mlx.launch: rank 0 serves, every process holds its share
+    if group is not None and (args.draft_model or args.adapter_path):
+        raise UsageError("--draft-model and --adapter-path do not run under mlx.launch")
     if args.draft_model is not None:
         args.draft_model = str(resolve_model(args.draft_model))
-    # the expert files are checked here, in one line, before the port is taken
-    open_store(path, options.expert_io, options.threads)[0].close()
+    # the expert files are checked here, in one line, before the port is taken (under
+    # mlx.launch each process checks its own share as it loads it)
+    if group is None:
+        open_store(path, options.expert_io, options.threads)[0].close()
     limit = args.max_tokens_limit or context_length(config)
     if limit is not None and args.max_tokens > limit:
         raise UsageError(
@@ -528,7 +602,7 @@ def run(args: argparse.Namespace) -> int:
     level = getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s - %(levelname)s - %(name)s: %(message)s")
     logging.getLogger().setLevel(level)  # the command's own setup configured the root already
-    serve(args, options, limit)
+    serve(args, options, limit, 0 if group is None else group.rank())
     return 0
 
 

@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -271,6 +271,96 @@ class ExpertLayout:
     def split_blobs(self, blobs: np.ndarray) -> Dict[str, np.ndarray]:
         """View ``[n, blob_size]`` uint8 as per-component ``[n, *shape]`` byte arrays."""
         return {c.name: blobs[:, c.offset : c.offset + c.nbytes] for c in self.components}
+
+    def shard(self, cuts: Mapping[str, Tuple[int, int, int]], where: str = "") -> ExpertShard:
+        """One part of every expert: what one process of a tensor-parallel group keeps.
+
+        Args:
+            cuts: component name -> ``(axis, part, parts)``: keep part ``part`` of ``parts``
+                equal parts along ``axis`` of the component's per-expert shape, 0 (rows) or -1
+                (the last axis: a weight's input columns); components not named stay whole.
+            where: for messages.
+
+        Returns:
+            The part's layout and where its bytes lie in the full blob.
+
+        Raises:
+            LayoutError: an axis that does not split into ``parts`` equal parts, or another
+                axis than the first or the last.
+            UnsupportedQuantizationError: a quantized projection cut inside a quantization group.
+        """
+        tensors: Dict[str, Tuple[str, Sequence[int]]] = {}
+        runs: Dict[str, Tuple[int, int, int, int]] = {}
+        for c in self.components:
+            shape, size = list(c.shape), DTYPE_SIZES[c.dtype]
+            runs[c.name] = (c.offset, c.nbytes, 1, 0)
+            if c.name in cuts:
+                axis, part, parts = cuts[c.name]
+                ax = axis % len(shape) if shape else None
+                if ax not in (0, len(shape) - 1) or not 0 <= part < parts or shape[ax] % parts:
+                    raise LayoutError(
+                        f"{where}: {c.name} {shape} cannot be cut into {parts} equal parts "
+                        f"along axis {axis} (part {part})"
+                    )
+                n = shape[ax] // parts
+                if ax == 0:
+                    row = size * math.prod(shape[1:])
+                    runs[c.name] = (c.offset + part * n * row, n * row, 1, 0)
+                else:  # the last axis: one run per row, a row apart
+                    runs[c.name] = (
+                        c.offset + part * n * size,
+                        n * size,
+                        math.prod(shape[:-1]),
+                        shape[-1] * size,
+                    )
+                    self._check_groups(c, n, parts, where)
+                shape[ax] = n
+            tensors[c.name] = (c.dtype, (self.num_experts, *shape))
+        layout = ExpertLayout.from_tensors(tensors, self.quantization, self.overrides, where)
+        spans = tuple(
+            Span(src, layout.component(name).offset, nbytes, count, stride)
+            for name, (src, nbytes, count, stride) in runs.items()
+        )
+        return ExpertShard(layout, spans)
+
+    def _check_groups(self, c: Component, n: int, parts: int, where: str) -> None:
+        """A quantized weight cut along its input columns must be cut between groups: each
+        group's scale and bias then belong to the part that holds its columns."""
+        q = self.quant(c.projection)
+        if q is None or c.param != "weight" or (n * 32) % (q.bits * q.group_size) == 0:
+            return
+        raise UnsupportedQuantizationError(
+            f"{where}: {c.projection}'s {c.shape[-1] * 32 // q.bits} input columns "
+            f"({q.bits}-bit, groups of {q.group_size}) cannot be cut into {parts} parts "
+            "at quantization group boundaries"
+        )
+
+
+@dataclass(frozen=True)
+class Span:
+    """Bytes of a full expert blob that a part keeps: ``count`` runs of ``nbytes`` bytes, the
+    first at blob offset ``src`` and each ``stride`` bytes after the one before, laid end to
+    end from offset ``dst`` of the part's blob."""
+
+    src: int
+    dst: int
+    nbytes: int
+    count: int = 1
+    stride: int = 0
+
+    @property
+    def end(self) -> int:
+        """One past the last byte of the full blob the span reads."""
+        return self.src + (self.count - 1) * self.stride + self.nbytes
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """One part of every expert of a layer (``ExpertLayout.shard``): its layout, and the
+    spans of the full blob its bytes come from, in component order."""
+
+    layout: ExpertLayout
+    spans: Tuple[Span, ...]
 
 
 @dataclass(frozen=True)

@@ -9,18 +9,19 @@ files; the RAM gate (``select_expert_io``) chooses between them.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 import psutil
 
-from ..errors import ExpertIndexError, LayoutError, ModelClosedError
+from ..errors import ExpertIndexError, ExpertReadError, LayoutError, ModelClosedError
 from ..format import readers
 from ..format.checkpoint import check_packed, is_packed, packed_file, scan_checkpoint
-from ..format.layout import ExpertLayout, ModelLayout
+from ..format.layout import ExpertLayout, ExpertShard, ModelLayout, Span
 from ..format.readers import LayerSource, PackedLayer, SafetensorsLayer, advise_random_reads
 from ..format.safetensors import TensorRange
 from ..options import IO_MODES, from_environment
@@ -33,6 +34,21 @@ STAGING_KEEP_BYTES = 256 << 20  # larger reads (prefill) get a buffer of their o
 # as a single pread is latency-bound on a cold disk (a VM disk at 1.6 GB/s with 8 threads
 # delivered about 1 GB/s to single 2.6 MB reads).
 READ_PIECE_BYTES = 512 << 10
+# A part's runs (a tensor-parallel down projection: part of every row) with gaps shorter than
+# this are read as one span per call, the gaps landing in a scratch buffer: the disk reads whole
+# pages (16 KiB on Apple silicon) anyway, and one read per row would cost a call per row.
+SKIP_GAP_BYTES = 16 << 10
+
+
+def _iov_max() -> int:
+    """Buffers one ``preadv`` takes (1024 on Linux and macOS; POSIX promises 16)."""
+    try:
+        return max(os.sysconf("SC_IOV_MAX"), 16)
+    except (AttributeError, ValueError, OSError):
+        return 16
+
+
+_IOV_MAX = _iov_max()
 _gate_logged: set = set()
 
 
@@ -74,8 +90,8 @@ class ExpertStore:
     interrupt (``KeyboardInterrupt``) while reads are in flight cancels the queued ones and
     retires the staging buffer they write into, so a straggler cannot corrupt a later call."""
 
-    def __init__(self, layers: Dict[int, LayerSource], io_mode: str, threads: int = 8):
-        self.layers = layers  # layer -> PackedLayer | SafetensorsLayer
+    def __init__(self, layers: Dict[int, Source], io_mode: str, threads: int = 8):
+        self.layers = layers  # layer -> PackedLayer | SafetensorsLayer | ShardedLayer
         self.io_mode = io_mode
         if io_mode == "pread":  # scattered reads of pieces (mmap keeps readahead: warm reuse)
             for src in layers.values():
@@ -149,18 +165,16 @@ class ExpertStore:
         futures = []
         try:
             for i, e in enumerate(experts):
-                for fd, start, at, n, what in src.pieces(e):
-                    for off in range(0, n, READ_PIECE_BYTES):
-                        m = min(READ_PIECE_BYTES, n - off)
-                        futures.append(
-                            pool.submit(
-                                readers.read_exact,
-                                fd,
-                                start + off,
-                                memoryview(out[i, at + off : at + off + m]),
-                                what,
-                            )
-                        )
+                jobs = (
+                    src.jobs(e, out[i])
+                    if isinstance(src, ShardedLayer)
+                    else [
+                        job
+                        for fd, start, at, n, what in src.pieces(e)
+                        for job in _chunks(fd, start, out[i, at : at + n], what)
+                    ]
+                )
+                futures += [pool.submit(*job) for job in jobs]
             errors = [f.exception() for f in futures]  # waits for every read of this call
         except BaseException:
             # interrupted (KeyboardInterrupt, ...) while reads are in flight
@@ -190,6 +204,11 @@ class ExpertStore:
         layers = {}
         for i, src in self.layers.items():
             d: Dict[str, object] = {"layout": src.layout.to_dict()}
+            if isinstance(src, ShardedLayer):
+                raise LayoutError(
+                    f"layer {i}: a part of its experts (tensor parallelism) is not opened again "
+                    "in another process"
+                )
             if isinstance(src, PackedLayer):
                 d["file"] = str(src.path)
             else:
@@ -225,7 +244,10 @@ class ExpertStore:
 
 
 def open_store(
-    path: Path, io_mode: Optional[str] = None, threads: int = 8
+    path: Path,
+    io_mode: Optional[str] = None,
+    threads: int = 8,
+    shards: Optional[Mapping[int, Optional[ExpertShard]]] = None,
 ) -> Tuple[ExpertStore, ModelLayout]:
     """Open the experts of a converted directory or a plain mlx-lm checkpoint.
 
@@ -236,6 +258,9 @@ def open_store(
         path: the model directory.
         io_mode: ``auto`` (the RAM gate), ``mmap`` or ``pread``; None: ``MOEFLUX_EXPERT_IO`` or auto.
         threads: parallel reads of the ``pread`` store.
+        shards: one process's share of a distributed model: only these layers are opened, each
+            whole (None) or a part of every expert (``ExpertLayout.shard``); the RAM gate and the
+            returned layout are the share's. None: every layer, whole.
 
     Returns:
         ``(store, model_layout)``.
@@ -253,21 +278,172 @@ def open_store(
         ckpt = scan_checkpoint(path)
         model_layout = ckpt.layout
         make = lambda i, lay: SafetensorsLayer(i, lay, ckpt.ranges[i])
-    layers: Dict[int, LayerSource] = {}
+    wanted = sorted(model_layout.layers if shards is None else shards)
+    missing = [i for i in wanted if i not in model_layout.layers]
+    if missing:
+        raise LayoutError(f"{path}: no routed experts in layers {missing}")
+    layers: Dict[int, Source] = {}
     try:
-        for i, lay in sorted(model_layout.layers.items()):
-            layers[i] = make(i, lay)
+        for i in wanted:
+            src = layers[i] = make(i, model_layout.layers[i])
+            shard = shards.get(i) if shards is not None else None
+            if shard is not None:
+                layers[i] = ShardedLayer(src, shard)
     except BaseException:
-        for src in layers.values():
-            src.close()
+        for opened in layers.values():
+            opened.close()
         raise
+    if shards is not None:
+        paths = model_layout.module_paths
+        model_layout = ModelLayout(
+            {i: src.layout for i, src in layers.items()}, {i: paths[i] for i in layers}
+        )
     mode = select_expert_io(model_layout.total_expert_bytes, io_mode)
     return ExpertStore(layers, mode, threads), model_layout
 
 
+def _chunks(fd: int, start: int, into: np.ndarray, what: str) -> List[tuple]:
+    """``read_exact`` jobs for the contiguous bytes at ``start`` that fill ``into``, in pieces
+    of at most ``READ_PIECE_BYTES`` (for the read threads)."""
+    n = len(into)
+    return [
+        (readers.read_exact, fd, start + off, memoryview(into[off : off + READ_PIECE_BYTES]), what)
+        for off in range(0, n, READ_PIECE_BYTES)
+    ]
+
+
+def read_runs(
+    fd: int, start: int, stride: int, into: np.ndarray, what: str, scratch: np.ndarray
+) -> None:
+    """Read runs a ``stride`` apart from ``start`` into the rows of ``into`` (``[count, run]``).
+
+    Gaps shorter than ``SKIP_GAP_BYTES`` are read too, into ``scratch`` (never looked at), so
+    that a run of rows costs one ``preadv`` per ``IOV_MAX / 2`` rows; longer gaps are skipped,
+    one read per run.
+
+    Raises:
+        ExpertReadError: a read failed or came short of the file's end.
+    """
+    count, run = into.shape
+    gap = stride - run
+    if count == 1 or gap == 0:
+        readers.read_exact(fd, start, memoryview(into.reshape(-1)), what)
+        return
+    if gap < 0 or gap >= SKIP_GAP_BYTES:
+        for k in range(count):
+            readers.read_exact(fd, start + k * stride, memoryview(into[k]), what)
+        return
+    hole = memoryview(scratch[:gap])
+    step = _IOV_MAX // 2
+    for k0 in range(0, count, step):
+        rows = range(k0, min(k0 + step, count))
+        buffers = [b for k in rows for b in (memoryview(into[k]), hole)][:-1]
+        try:
+            got = os.preadv(fd, buffers, start + k0 * stride)
+        except OSError as e:
+            raise ExpertReadError(
+                f"{what}: read of {len(rows)} runs at offset {start + k0 * stride} failed: {e}"
+            ) from e
+        if got != len(rows) * stride - gap:  # short (rare): the rest run by run, exactly
+            for k in rows:
+                readers.read_exact(fd, start + k * stride, memoryview(into[k]), what)
+
+
+class ShardedLayer:
+    """A part of every expert of one layer (``ExpertShard``: e.g. one process's half of a
+    tensor-parallel pair), read from the layer's own source: only the spans of each full blob
+    that the part keeps, into blobs of the part's layout. The same reads as the sources offer
+    (``read_one``, ``read_pread``, ``read_mmap``, ``jobs`` for the read threads)."""
+
+    def __init__(self, source: LayerSource, shard: ExpertShard):
+        self.source, self.layer = source, source.layer
+        self.layout, self.spans = shard.layout, shard.spans
+        gaps = [s.stride - s.nbytes for s in self.spans if s.count > 1]
+        self._scratch = np.empty(max([g for g in gaps if g < SKIP_GAP_BYTES], default=0), np.uint8)
+        self._maps: Dict[int, readers._Mapping] = {}
+        # the file bytes the last expert (the furthest in every file) needs, per descriptor
+        self._need: Dict[int, int] = {}
+        for s, fd, off, _ in self._located(source.layout.num_experts - 1):
+            self._need[fd] = max(self._need.get(fd, 0), off + s.end - s.src)
+
+    def _located(self, e: int) -> List[Tuple[Span, int, int, str]]:
+        """``(span, fd, file offset of the span's first byte, what)`` for expert ``e``."""
+        pieces = self.source.pieces(e)
+        out = []
+        for s in self.spans:
+            found = [p for p in pieces if p[2] <= s.src and s.end <= p[2] + p[3]]
+            if not found:
+                raise LayoutError(f"layer {self.layer}: a part's span {s} lies outside the blob")
+            fd, start, at, _, what = found[0]
+            out.append((s, fd, start + s.src - at, what))
+        return out
+
+    @staticmethod
+    def _into(s: Span, row: np.ndarray) -> np.ndarray:
+        return row[s.dst : s.dst + s.count * s.nbytes].reshape(s.count, s.nbytes)
+
+    def read_one(self, e: int, out: np.ndarray) -> None:
+        for s, fd, off, what in self._located(e):
+            read_runs(fd, off, s.stride, self._into(s, out), what, self._scratch)
+
+    def read_pread(self, experts, out: np.ndarray) -> None:
+        for i, e in enumerate(experts):
+            self.read_one(e, out[i])
+
+    def jobs(self, e: int, row: np.ndarray) -> List[tuple]:
+        """Reads of expert ``e`` into ``row`` for the read threads, each about
+        ``READ_PIECE_BYTES`` of the file or less."""
+        out: List[tuple] = []
+        for s, fd, off, what in self._located(e):
+            into = self._into(s, row)
+            if s.count == 1:
+                out += _chunks(fd, off, into.reshape(-1), what)
+                continue
+            step = max(1, READ_PIECE_BYTES // s.stride)
+            out += [
+                (
+                    read_runs,
+                    fd,
+                    off + k * s.stride,
+                    s.stride,
+                    into[k : k + step],
+                    what,
+                    self._scratch,
+                )
+                for k in range(0, s.count, step)
+            ]
+        return out
+
+    def read_mmap(self, experts, out: np.ndarray) -> None:
+        for i, e in enumerate(experts):
+            for s, fd, off, what in self._located(e):
+                m = self._maps.get(fd)
+                readers._check_mapped(fd, self._need[fd], what)
+                if m is None:
+                    m = self._maps[fd] = readers._Mapping(fd, what)
+                if m.size < self._need[fd]:
+                    raise ExpertReadError(f"{what}: mapped {m.size} bytes, {self._need[fd]} needed")
+                runs = np.lib.stride_tricks.as_strided(
+                    m.array[off:], (s.count, s.nbytes), (s.stride, 1), writeable=False
+                )
+                self._into(s, out[i])[:] = runs
+
+    def file_descriptors(self) -> Dict[Path, int]:
+        return self.source.file_descriptors()
+
+    def close(self) -> None:
+        for m in self._maps.values():
+            m.close()
+        self._maps.clear()
+        self.source.close()
+
+
+Source = Union[LayerSource, ShardedLayer]  # what the store reads one layer's experts from
+
+
 def store_from_spec(spec: dict) -> ExpertStore:
     """The store ``ExpertStore.spec()`` describes (opened again, e.g. in the miss server)."""
-    layers: Dict[int, LayerSource] = {}
+    layers: Dict[int, Source] = {}
     try:
         for k, d in spec["layers"].items():
             i = int(k)
