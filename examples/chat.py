@@ -1,6 +1,6 @@
 """Chat in the terminal with an MoE model whose experts stream from disk.
 
-    python examples/chat.py                        # the small demo model (built once, cached)
+    python examples/chat.py                        # the built-in demo model (a small trained MoE)
     python examples/chat.py --model PATH           # a converted dir or an mlx-lm MoE checkpoint
     python examples/chat.py --model PATH --prompt "Hello"   # one reply, then exit
 

@@ -1,6 +1,6 @@
 """Compare moeflux-mlx with stock mlx-lm on the same checkpoint: tokens, log-probs, speed.
 
-    python examples/compare_mlx_lm.py                       # on the demo model
+    python examples/compare_mlx_lm.py                       # on the built-in demo model
     python examples/compare_mlx_lm.py PATH --prompt "Hi" -m 64
     python examples/compare_mlx_lm.py PATH --converted PATH-converted
 

@@ -12,6 +12,7 @@ import pexpect
 import pytest
 
 import moeflux_mlx
+from moeflux_mlx import demo_model
 from moeflux_mlx.commands.chat import ChatSession
 from moeflux_mlx.testing import synth
 
@@ -145,8 +146,8 @@ def test_one_shot_prompt(tiny):
     assert ">> " not in r.stdout  # no interactive loop
 
 
-def test_no_model_uses_the_demo(tmp_path):
-    env = dict(_env(), XDG_CACHE_HOME=str(tmp_path))
+def test_no_model_uses_the_demo():
+    env = _env()
     r = subprocess.run(
         [sys.executable, str(EXAMPLE), "--prompt", "Hi", "-m", "4"],
         capture_output=True,
@@ -155,8 +156,8 @@ def test_no_model_uses_the_demo(tmp_path):
         timeout=TIMEOUT,
     )
     assert r.returncode == 0, r.stderr
-    assert "using the demo checkpoint" in r.stderr
-    assert str(tmp_path / "moeflux-mlx" / "demo-") in r.stderr
+    assert "using the built-in demo model" in r.stderr
+    assert str(demo_model.checkpoint_path()) in r.stderr
     assert STATS.search(r.stderr)
 
 

@@ -262,19 +262,6 @@ def test_unknown_flag_is_a_usage_error(capsys):
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
-def test_demo_builds_once_then_reuses(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert cli.main(["demo", "-m", "6"]) == 0
-    out, err = capsys.readouterr()
-    assert "using the demo checkpoint" in err
-    demo = Path(re.search(r"Demo checkpoint: (\S+)", err)[1])
-    assert demo.parent == tmp_path / "moeflux-mlx" and (demo / "config.json").is_file()
-    assert out.strip() and STATS.search(err)
-    mtime = (demo / "config.json").stat().st_mtime_ns
-    assert cli.main(["demo", "-m", "2"]) == 0
-    assert (demo / "config.json").stat().st_mtime_ns == mtime
-
-
 def test_module_entry_point_verbose_logs_ram_gate(packed):
     """``python -m moeflux_mlx.cli`` works without the console script; --verbose logs at INFO."""
     env = dict(os.environ, PYTHONPATH=str(REPO))

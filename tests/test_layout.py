@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "moeflux_mlx"
 # lower first: a module may import from its own level and the levels before it
 LEVELS = [
-    {"errors", "options", "stats"},
+    {"errors", "options", "stats", "demo_model"},
     {"format"},
     {"io"},
     {"cache"},

@@ -3,7 +3,7 @@
 and running a command so that a moeflux error is one line and exit status 2.
 
 Flags follow mlx-lm's (``--model``, ``--prompt``, ``--max-tokens``, ``--temp``, ``--top-p``,
-``--seed``). Without ``--model`` the demo checkpoint is used.
+``--seed``). Without ``--model`` the built-in demo model is used.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
 from mlx_lm.utils import _download
 
+from .. import demo_model
 from ..errors import CheckpointError, MoefluxError
 from ..model.load import load
 from ..model.sharded import sharded_load
@@ -37,7 +38,6 @@ from ..options import (
     budget_unit,
     parse_budget,
 )
-from ..testing.synth import demo_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ DEFAULT_MAX_TOKENS = 100
 DEFAULT_TEMP = 0.0
 DEFAULT_TOP_P = 1.0
 DEFAULT_SEED = 0
-DEMO_PROMPT = "Hello! How are you today?"
+DEMO_PROMPT = "Tell me something wise."
 
 
 class UsageError(MoefluxError):
@@ -218,7 +218,7 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
         type=str,
         default=None,
         help="a converted directory or a plain mlx-lm MoE checkpoint (local path "
-        "or Hugging Face repo); default: the demo checkpoint, built once",
+        "or Hugging Face repo); default: the built-in demo model",
     )
 
 
@@ -348,7 +348,7 @@ def fmt_bytes(n: float, unit: Optional[str] = None) -> str:
 
 def user_cache_dir() -> Path:
     """``$XDG_CACHE_HOME/moeflux-mlx`` (default ``~/.cache/moeflux-mlx``): where built models
-    are kept (the demo checkpoint, the benchmark's models)."""
+    are kept (the benchmark's models)."""
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base).expanduser() / "moeflux-mlx"
 
@@ -357,20 +357,13 @@ _HUB_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def resolve_model(model: Optional[str]) -> Path:
-    """The directory for ``--model``: the demo checkpoint for None, a download for a repo id."""
+    """The directory for ``--model``: the built-in demo model for None, a download for a repo id."""
     if model is None:
+        path = demo_model.checkpoint_path()
         say(
-            "No --model given: using the demo checkpoint (random-weight qwen3_moe, built once "
-            "and cached; its text is gibberish)."
+            "No --model given: using the built-in demo model (a small qwen3_moe trained for "
+            f"moeflux-mlx, 64 experts a layer, 4-bit) in {path}"
         )
-        synth_log = logging.getLogger("moeflux_mlx.testing.synth")
-        level = synth_log.level
-        synth_log.setLevel(logging.INFO)  # its "Building ..." lines are the progress of a build
-        try:
-            path = demo_checkpoint()
-        finally:
-            synth_log.setLevel(level)
-        say(f"Demo checkpoint: {path}")
         return path
     path = Path(model).expanduser()
     if path.exists():

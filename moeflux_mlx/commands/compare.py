@@ -48,10 +48,11 @@ from .common import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PROMPTS = (
-    "Write a short poem about the sea.",
-    "What is the capital of France?",
-    "Explain in two sentences how a mixture of experts works.",
+DEFAULT_PROMPTS = (  # the kinds of request the demo model was trained to answer
+    "Tell me something wise.",
+    'What does "harbor" mean?',
+    "Continue this story: It is a truth universally acknowledged, that a single man in "
+    "possession of a good fortune",
 )
 DEFAULT_MAX_TOKENS = 32
 # GPU kernels may round differently from stock mlx-lm; bf16 log-probs near -10 are 1/16 apart.
@@ -412,7 +413,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         metavar="MODEL",
         nargs="?",
         default=None,
-        help="an mlx-lm MoE checkpoint (default: the demo checkpoint)",
+        help="an mlx-lm MoE checkpoint (default: the built-in demo model)",
     )
     parser.add_argument(
         "--prompt",

@@ -1,4 +1,4 @@
-"""``moeflux-mlx demo``: build the small demo model once, then generate on it."""
+"""``moeflux-mlx demo``: generate on the built-in demo model, its experts streamed from disk."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Optional
 
+from .. import demo_model
 from . import generate
 from .common import (
     DEMO_PROMPT,
@@ -17,21 +18,26 @@ from .common import (
     say,
 )
 
-DESCRIPTION = "build the small demo model (once) and generate on it"
+DESCRIPTION = "generate on the built-in demo model (a small trained qwen3_moe)"
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.path:
+        print(demo_model.checkpoint_path())
+        return 0
     args.model = None
     rc = generate.run(args)
     say(
-        "This was the random-weight demo model: the pipeline ran, the words mean nothing. Next: "
-        f"`{PROG} chat`, `{PROG} info MODEL`, `{PROG} generate --model MODEL --prompt ...`."
+        "This was the built-in demo model (53 M parameters, trained on a few books and manuals). "
+        f"Next: `{PROG} chat`, `{PROG} compare`, `{PROG} info MODEL`, "
+        f"`{PROG} generate --model MODEL --prompt ...`."
     )
     return rc
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", "-p", default=DEMO_PROMPT, help=f"default: {DEMO_PROMPT!r}")
+    p.add_argument("--path", action="store_true", help="print the demo model's directory and exit")
     p.add_argument("--system-prompt", default=None, help=argparse.SUPPRESS)
     p.add_argument("--ignore-chat-template", action="store_true", help=argparse.SUPPRESS)
     add_sampling_args(p, max_tokens=48)
