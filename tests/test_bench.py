@@ -1,12 +1,18 @@
 """The decode benchmark runs end to end and reports what it measured."""
 
+import importlib.util
 import json
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
+from mlx_lm.models.switch_layers import SwiGLU
 
 from moeflux_mlx.benchmark import decode, pagecache, report
 from moeflux_mlx.commands import bench as bench_cmd
+from moeflux_mlx.compute import backend as B
+from moeflux_mlx.compute import kernels as K
+from moeflux_mlx.compute.ops import OpsBackend
 
 
 def test_benchmark_runs_and_writes_results(tiny_checkpoints, tmp_path):
@@ -191,3 +197,50 @@ def test_cli_convert_streams_from_the_packed_copy_and_runs_stock_from_the_origin
     result = json.loads(next((tmp_path / "r").glob("*-t-decode.json")).read_text())
     assert Path(result["model"]).name == packed.name
     assert result["runs"][0]["name"] == "stock mlx-lm"
+
+
+# --------------------------------------------------------------------------- benchmarks/kernels.py
+
+
+def _kernels_benchmark():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels.py"
+    spec = importlib.util.spec_from_file_location("kernels_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kernels_benchmark_mxfp4_smoke(tmp_path, monkeypatch):
+    """--smoke runs the mxfp4 comparison anywhere (the CPU too: the fused kernels are skipped
+    with a note) and writes its row; a shape the fused kernels refuse is reported, with the
+    proxy shape their figure would come from, not launched."""
+    kb = _kernels_benchmark()
+    # gpt-oss-120b / 5: 18 16-byte chunks a row in 4-bit, which no down launch shape divides
+    monkeypatch.setitem(kb.MODELS, "tiny-gpt-oss", (576, 576, 4))
+    kb.main(["--smoke", "--models", "tiny-gpt-oss", "--out", str(tmp_path), "--tag", "t"])
+    (result,) = json.loads(next(tmp_path.glob("*-t-kernels.json")).read_text())["results"]
+    m = result["mxfp4"]
+    assert m["ffn_bytes"] == 4 * 3 * (576 * 576 // 2 + 576 * 576 // 32)  # weights + e8m0 scales
+    assert m["gpt_oss_ffn_bytes"] == m["ffn_bytes"] + 4 * 3 * 576 * 2  # + bf16 bias vectors
+    assert m["finite"] and all(v > 0 for v in m["gbs"].values())
+    assert m["gather_qmm_affine_gbs"] == result["gbs"]["gather_qmm_ffn"] > 0
+    assert "no launch shape" in result["fused_refusal"] and m["proxy_shape"]
+    md = next(tmp_path.glob("*-t-kernels.md")).read_text()
+    assert "## mxfp4 experts (gpt-oss's format)" in md
+    rows = [line for line in md.splitlines() if line.startswith("| tiny-gpt-oss (576, 576, 4) |")]
+    row = rows[-1]  # the mxfp4 table's, after the main table's
+    if mx.default_device() == mx.cpu:
+        assert result["fused"].startswith(kb.NO_GPU) and m["max_gain"] is None
+        assert row.endswith("| n/a | n/a |") and "fused kernels not timed: no Metal or CUDA" in md
+    else:
+        assert m["fused_affine_source"].startswith("proxy shape") and m["max_gain"] > 0
+
+    # the real shape: refused for the same reason (the runtime's decision: a GPU runs such a
+    # layer on ops, it does not launch it), measured on a GPU at H = I = 3072
+    why = kb.fused_refusal(2880, 2880, 4, 64, None)
+    assert "down rows of 2880 weights have no launch shape" in why and "90 chunks" in why
+    assert kb.covered_proxy(2880, 2880, 4, 64, None) == (3072, 3072)
+    gpu = K.KernelBackend("cuda", OpsBackend())
+    gpu._available = True
+    spec = kb.affine_spec(2880, 2880, 4, 64)
+    assert B.layer_choice(gpu, spec, SwiGLU(), topk=4) == B.LayerChoice("ops", why)

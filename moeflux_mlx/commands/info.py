@@ -1,19 +1,26 @@
 """``moeflux-mlx info``: what would stream from a model and how: MoE layers, experts, sizes, the
-RAM gate's choice, the cache budget and the backend."""
+RAM gate's choice, the cache budget, the backend, and which backend each MoE layer's decode
+calls would run on and why (``compute.backend.layer_choice``, the runtime's own decision)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
+import mlx.core as mx
 import psutil
 
-from ..compute.backend import backend_report, select_backend
+from ..compute.backend import LayerChoice, backend_report, layer_choice, select_backend
+from ..compute.kernels import ExpertSpec
 from ..format.checkpoint import is_packed, packed_layout, read_config, scan_checkpoint
+from ..format.layout import ModelLayout
 from ..format.safetensors import index_directory
 from ..io.store import RAM_FRACTION, open_store, select_expert_io
+from ..model.experts import build_model, find_experts
 from ..options import LoadOptions, budget_unit, parse_budget
 from .common import (
     add_load_args,
@@ -32,6 +39,89 @@ DESCRIPTION = (
 )
 
 
+@dataclass(frozen=True)
+class LayerGroup:
+    """Consecutive MoE layers whose decode calls run on the same backend for the same reason."""
+
+    layers: Tuple[int, ...]
+    backend: str  # "metal", "cuda" or "ops"
+    reason: str
+    on_gpu: Optional[str]  # where ops run for the machine or the option: what a GPU would run
+
+    @property
+    def label(self) -> str:
+        first, last = self.layers[0], self.layers[-1]
+        if len(self.layers) == 1:
+            return f"layer {first}"
+        # dense layers between them (deepseek's first, llama4's every other) are no MoE layers
+        gaps = "" if last - first + 1 == len(self.layers) else f" ({len(self.layers)} MoE layers)"
+        return f"layers {first}-{last}{gaps}"
+
+    def __str__(self) -> str:
+        return f"{self.label}: {LayerChoice(self.backend, self.reason, self.on_gpu)}"
+
+
+def group_layers(choices: Dict[int, LayerChoice]) -> List[LayerGroup]:
+    """Runs of consecutive MoE layers (in layer order) with the same choice.
+
+    Args:
+        choices: MoE layer -> its ``LayerChoice``.
+
+    Returns:
+        The runs, in layer order.
+    """
+    groups: List[Tuple[List[int], LayerChoice]] = []
+    for layer in sorted(choices):
+        choice = choices[layer]
+        if groups and groups[-1][1] == choice:
+            groups[-1][0].append(layer)
+        else:
+            groups.append(([layer], choice))
+    return [LayerGroup(tuple(ids), c.backend, c.reason, c.on_gpu) for ids, c in groups]
+
+
+def _activation_dtype(text: dict):
+    """The model's activation dtype from its config, or None (then any float dtype)."""
+    name = text.get("torch_dtype") or text.get("dtype")
+    dtype = getattr(mx, str(name), None) if name else None
+    return dtype if isinstance(dtype, mx.Dtype) else None
+
+
+def layer_backends(
+    config: dict, layout: ModelLayout, backend, where: object = "config.json"
+) -> List[LayerGroup]:
+    """Which backend each MoE layer's decode calls would run on, grouped.
+
+    Args:
+        config: the model's ``config.json``.
+        layout: its expert layout.
+        backend: what ``select_backend`` picked for the options given.
+        where: for messages.
+
+    Returns:
+        ``group_layers`` of every MoE layer's ``layer_choice``.
+
+    Raises:
+        CheckpointError: mlx-lm cannot build the model (the activations come from its modules).
+    """
+    text = config.get("text_config", config)
+    experts = find_experts(build_model(config, where))  # lazy: no weight is materialized
+    topk = text.get("num_experts_per_tok")
+    dtype = _activation_dtype(text) or _activation_dtype(config)
+    choices = {}
+    for layer, lay in layout.layers.items():
+        module = experts.get(layout.module_paths[layer])
+        activation = getattr(module.module, "activation", None) if module else None
+        choices[layer] = layer_choice(
+            backend,
+            ExpertSpec.of_layout(lay),
+            activation,
+            dtype=dtype,
+            topk=int(topk) if topk else None,
+        )
+    return group_layers(choices)
+
+
 def describe(path: Path, given: Optional[dict] = None) -> list:
     """``(label, value)`` rows saying what would stream from ``path`` and how.
 
@@ -40,7 +130,8 @@ def describe(path: Path, given: Optional[dict] = None) -> list:
         given: the load options given on the command line (``common.load_kwargs``).
 
     Returns:
-        ``[(label, value), ...]``.
+        ``[(label, value), ...]``; the value of ``backend by layer`` is a list of
+        ``LayerGroup`` (or one string saying why it is unknown), every other value a string.
 
     Raises:
         CheckpointError: not a usable MoE checkpoint.
@@ -94,10 +185,18 @@ def describe(path: Path, given: Optional[dict] = None) -> list:
         f"{fmt_bytes(min(budget, total), unit)} of MLX memory for resident experts "
         f"({100 * min(budget, total) / max(total, 1):.0f}% of them; {given_as})"
     )
+    by_layer: Sequence[object]
     try:
-        picked = backend_report(select_backend(options.backend))
+        backend = select_backend(options.backend)
+        picked = backend_report(backend)
     except Exception as e:  # noqa: BLE001 - e.g. kernels missing on this build: info still useful
         picked = f"unavailable ({type(e).__name__}: {e})"
+        by_layer = [picked]
+    else:
+        try:
+            by_layer = layer_backends(config, layout, backend, path)
+        except Exception as e:  # noqa: BLE001 - a model mlx-lm cannot build: the rest still holds
+            by_layer = [f"unknown ({type(e).__name__}: {e})"]
 
     return [
         ("model", str(path)),
@@ -126,6 +225,7 @@ def describe(path: Path, given: Optional[dict] = None) -> list:
         ("expert I/O", f"{mode} ({why})"),
         ("expert cache", cache),
         ("backend", f"{picked} ({options.backend}, device {device_name()})"),
+        ("backend by layer", list(by_layer)),
     ]
 
 
@@ -140,12 +240,27 @@ def _ranges(ids: list) -> str:
     return ", ".join(out)
 
 
+def _json_value(value):
+    if isinstance(value, str):
+        return value
+    return [
+        dict(asdict(v), label=v.label, text=str(v)) if isinstance(v, LayerGroup) else str(v)
+        for v in value
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
     path = resolve_model(args.model_path)
     rows = describe(path, load_kwargs(args))
+    if args.json:
+        print(json.dumps({k: _json_value(v) for k, v in rows}, indent=1))
+        return 0
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
-        print(f"{k:<{width}}  {v}")
+        lines = [v] if isinstance(v, str) else [str(x) for x in v]
+        print(f"{k:<{width}}  {lines[0]}")
+        for line in lines[1:]:  # one group of layers a line, under the first
+            print(f"{'':<{width}}  {line}")
     return 0
 
 
@@ -155,7 +270,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         metavar="MODEL",
         nargs="?",
         default=None,
-        help="converted directory or mlx-lm checkpoint (default: the demo checkpoint)",
+        help="converted directory or mlx-lm checkpoint (default: the built-in demo model)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the same as one JSON object (the per-layer backends as a list of groups)",
     )
     add_load_args(p)
 

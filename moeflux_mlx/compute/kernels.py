@@ -23,12 +23,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.switch_layers import SwiGLU
 
+from ..cache.pool import MX_DTYPES, ExpertPool
+from ..format.layout import ExpertLayout, Quantization
 from . import selfcheck
 from .kernel_source import COMMON, ENTRY, PRELUDE, load_source
 from .ops import is_plain_swiglu
@@ -256,20 +258,42 @@ def _check_quant(bits: int, group_size: int) -> None:
         raise ValueError(f"kernels support group sizes {SUPPORTED_GROUPS}, not {group_size}")
 
 
+def _check_proj_spec(
+    shapes: Dict[str, Tuple[object, Tuple[int, ...]]],
+    proj: str,
+    out_dim: int,
+    in_dim: int,
+    bits: int,
+    group_size: int,
+) -> None:
+    """``shapes``: component name -> (dtype, per-expert shape), as ``ExpertSpec.shapes``."""
+    (wd, ws), (sd, ss), (bd, bs) = (shapes[f"{proj}.{p}"] for p in ("weight", "scales", "biases"))
+    want_w = (out_dim, in_dim * bits // 32)
+    want_s = (out_dim, in_dim // group_size)
+    if wd != mx.uint32 or tuple(ws) != want_w:
+        raise ValueError(f"{proj}.weight is {wd}{tuple(ws)} per expert, expected uint32{want_w}")
+    for name, dtype, shape in (("scales", sd, ss), ("biases", bd, bs)):
+        if tuple(shape) != want_s or dtype not in FLOAT_DTYPES:
+            raise ValueError(
+                f"{proj}.{name} is {dtype}{tuple(shape)} per expert, expected float{want_s}"
+            )
+
+
 def _check_proj(
     a: Dict[str, mx.array], proj: str, out_dim: int, in_dim: int, bits: int, group_size: int
 ) -> int:
-    w, s, b = a[f"{proj}.weight"], a[f"{proj}.scales"], a[f"{proj}.biases"]
-    n = w.shape[0]
-    want_w = (n, out_dim, in_dim * bits // 32)
-    want_s = (n, out_dim, in_dim // group_size)
-    if w.dtype != mx.uint32 or tuple(w.shape) != want_w:
-        raise ValueError(f"{proj}.weight is {w.dtype}{tuple(w.shape)}, expected uint32{want_w}")
-    for name, arr in (("scales", s), ("biases", b)):
-        if tuple(arr.shape) != want_s or arr.dtype not in FLOAT_DTYPES:
-            raise ValueError(
-                f"{proj}.{name} is {arr.dtype}{tuple(arr.shape)}, expected float{want_s}"
-            )
+    keys = [f"{proj}.{p}" for p in ("weight", "scales", "biases")]
+    _check_proj_spec(
+        {k: (a[k].dtype, tuple(a[k].shape[1:])) for k in keys},
+        proj,
+        out_dim,
+        in_dim,
+        bits,
+        group_size,
+    )
+    n = a[keys[0]].shape[0]
+    if any(a[k].shape[0] != n for k in keys):
+        raise ValueError(f"{proj}: weight, scales and biases hold different numbers of experts")
     return n
 
 
@@ -533,6 +557,137 @@ def dialect_available(dialect: str) -> bool:
 
 
 @dataclass
+class ExpertSpec:
+    """What decides whether the fused kernels can take a layer's experts, known before any
+    weight is read: each expert array's dtype and per-expert shape, and the quantization. Built
+    from a resident pool (the runtime) or from a layout read from headers (``moeflux-mlx info``),
+    so both ask ``expert_route`` the same question."""
+
+    shapes: Dict[str, Tuple[object, Tuple[int, ...]]]  # "gate_proj.weight" -> (mx dtype, shape)
+    quantization: Optional[Quantization]  # of gate/up (fc1)
+    overrides: Dict[str, Optional[Quantization]] = field(default_factory=dict)
+
+    @classmethod
+    def of_pool(cls, pool: ExpertPool) -> ExpertSpec:
+        """The spec of a resident pool.
+
+        Args:
+            pool: the layer's pool (arrays ``[n_slots, *shape]``).
+
+        Returns:
+            Its ``ExpertSpec``.
+        """
+        shapes = {k: (a.dtype, tuple(a.shape[1:])) for k, a in pool.arrays.items()}
+        return cls(shapes, pool.quantization, dict(pool.overrides))
+
+    @classmethod
+    def of_layout(cls, layout: ExpertLayout) -> ExpertSpec:
+        """The spec of a layer's expert blobs, as ``ExpertPool.from_blobs`` will view them.
+
+        Args:
+            layout: the layer's expert layout (from headers or ``layout.json``).
+
+        Returns:
+            Its ``ExpertSpec``.
+        """
+        shapes = {c.name: (MX_DTYPES.get(c.dtype, c.dtype), c.shape) for c in layout.components}
+        return cls(shapes, layout.quantization, dict(layout.overrides))
+
+    def quant(self, projection: str) -> Optional[Quantization]:
+        return self.overrides.get(projection, self.quantization)
+
+    @property
+    def is_glu(self) -> bool:
+        return "gate_proj.weight" in self.shapes
+
+    @property
+    def dims(self) -> Tuple[int, int]:
+        """``(hidden, intermediate)`` of a quantized gated layer, from gate_proj's weight."""
+        q = self.quantization
+        _, (out_dim, packed) = self.shapes["gate_proj.weight"]
+        return (packed * 32 // q.bits if q else packed), out_dim
+
+
+def _covered_quantizations() -> str:
+    bits = "/".join(map(str, SUPPORTED_BITS))
+    groups = "/".join(map(str, SUPPORTED_GROUPS))
+    return f"they take affine {bits}-bit, groups {groups}"
+
+
+def expert_route(dialect: str, spec: ExpertSpec, activation) -> Optional[str]:
+    """Why the fused kernels cannot take a layer's experts, whatever the call; None when they
+    can. The one decision the runtime (``KernelBackend.route``) and ``moeflux-mlx info`` share.
+
+    Args:
+        dialect: ``metal`` or ``cuda`` (their threadgroup memory differs).
+        spec: the layer's experts (``ExpertSpec.of_pool`` / ``of_layout``).
+        activation: the model's activation object for the layer.
+
+    Returns:
+        None, or one line saying why (e.g. ``"mxfp4 quantization: no fused kernel (...)"``).
+
+    Raises:
+        ValueError: an unknown dialect.
+    """
+    _check_dialect(dialect)
+    if not spec.is_glu:
+        return "not a gated (SwitchGLU) expert pool"
+    # the quantization first: of every reason, the one a model cannot be without (gpt-oss's
+    # experts are mxfp4 before they have biases or a clamped SwiGLU)
+    q = spec.quantization
+    if q is None:
+        return "experts are not quantized"
+    if q.mode != "affine":
+        return f"{q.mode}: no fused kernel ({_covered_quantizations()})"
+    if q.bits not in SUPPORTED_BITS or q.group_size not in SUPPORTED_GROUPS:
+        return (
+            f"{q.bits}-bit affine quantization, group {q.group_size}: no fused kernel "
+            f"({_covered_quantizations()})"
+        )
+    differ = [p for p in ("gate_proj", "up_proj", "down_proj") if spec.quant(p) != q]
+    if differ:
+        return f"projections {', '.join(differ)} are quantized otherwise (a mixed recipe)"
+    if not is_plain_swiglu(activation):
+        return f"activation {type(activation).__name__} is not plain SwiGLU"
+    if any(k.endswith(".bias") for k in spec.shapes):
+        return "experts have bias vectors"
+    if any(k.endswith(".global_scale") for k in spec.shapes):
+        return "experts have a global scale (nvfp4)"
+    try:
+        hid, inter = spec.dims
+        _check_proj_spec(spec.shapes, "gate_proj", inter, hid, q.bits, q.group_size)
+        _check_proj_spec(spec.shapes, "up_proj", inter, hid, q.bits, q.group_size)
+        _check_proj_spec(spec.shapes, "down_proj", hid, inter, q.bits, q.group_size)
+    except (KeyError, ValueError) as e:
+        return f"pool arrays not covered ({e})"
+    for d in (hid, inter):
+        if d % q.group_size or 4 * (d + _chunks(d, q.bits)) > SHARED_LIMIT[dialect]:
+            return f"dimension {d} not covered"
+    # the launch shape depends on the row length only (not on the tokens): a row whose 16-byte
+    # chunks no launch shape divides would fail to launch, so it is refused here
+    for kind, in_dim, out_dim in (("glu", hid, inter), ("down", inter, hid)):
+        try:
+            _check_config(kind, default_config(kind, in_dim, out_dim, q.bits, 1), in_dim, q.bits)
+        except ValueError as e:
+            return f"{kind} rows of {in_dim} weights have no launch shape ({e})"
+    return None
+
+
+def failed_check(variant: selfcheck.Variant, verdict: selfcheck.Verdict) -> str:
+    """Why a variant whose self-check failed runs on plain ops, in one line.
+
+    Args:
+        variant: the kernel variant.
+        verdict: its failed verdict.
+
+    Returns:
+        ``"self-check failed for <variant>: <first line of the error>"``.
+    """
+    short = verdict.error.splitlines()[0][:200] if verdict.error else "failed"
+    return f"self-check failed for {variant.label}: {short}"
+
+
+@dataclass
 class Plan:
     """What ``KernelBackend`` worked out for one pool and call shape: the two launches, or None
     (the fallback computes those calls), and what serves them, as stats report it."""
@@ -592,27 +747,10 @@ class KernelBackend:
         """None when the fused kernels take this call, else why it falls back."""
         if not (assume_available or self.available):
             return self.unavailable_reason()
-        if not pool.is_glu:
-            return "not a gated (SwitchGLU) expert pool"
-        if not is_plain_swiglu(activation):
-            return f"activation {type(activation).__name__} is not plain SwiGLU"
-        q = pool.quantization
-        if q is None:
-            return "experts are not quantized"
-        if (
-            q.mode != "affine"
-            or q.bits not in SUPPORTED_BITS
-            or q.group_size not in SUPPORTED_GROUPS
-        ):
-            return f"quantization {q.mode} {q.bits}-bit group {q.group_size} not covered"
-        differ = [p for p in ("gate_proj", "up_proj", "down_proj") if pool.quant(p) != q]
-        if differ:
-            return f"projections {', '.join(differ)} are quantized otherwise (a mixed recipe)"
-        a = pool.arrays
-        if any(k.endswith(".bias") for k in a):
-            return "experts have bias vectors"
-        if any(k.endswith(".global_scale") for k in a):
-            return "experts have a global scale (nvfp4)"
+        spec = ExpertSpec.of_pool(pool)
+        why = expert_route(self.dialect, spec, activation)
+        if why is not None:
+            return why
         if x.dtype not in FLOAT_DTYPES:
             return f"activation dtype {x.dtype} not covered"
         if x.ndim < 1 or slots.ndim != x.ndim or tuple(slots.shape[:-1]) != tuple(x.shape[:-1]):
@@ -620,17 +758,8 @@ class KernelBackend:
         n_tok = math.prod(x.shape[:-1])
         if not 1 <= n_tok <= MAX_TOKENS:
             return f"{n_tok} tokens (kernels cover 1..{MAX_TOKENS})"
-        hid = x.shape[-1]
-        try:
-            inter = a["gate_proj.weight"].shape[1]
-            _check_proj(a, "gate_proj", inter, hid, q.bits, q.group_size)
-            _check_proj(a, "up_proj", inter, hid, q.bits, q.group_size)
-            _check_proj(a, "down_proj", hid, inter, q.bits, q.group_size)
-        except (KeyError, ValueError) as e:
-            return f"pool arrays not covered ({e})"
-        for d in (hid, inter):
-            if d % q.group_size or 4 * (d + _chunks(d, q.bits)) > SHARED_LIMIT[self.dialect]:
-                return f"dimension {d} not covered"
+        if x.shape[-1] != spec.dims[0]:
+            return f"x has {x.shape[-1]} features, the experts take {spec.dims[0]}"
         return None
 
     def __call__(self, x: mx.array, slots: mx.array, pool, activation) -> mx.array:
@@ -668,8 +797,7 @@ class KernelBackend:
             check = selfcheck.checker(self.dialect, source_digest(self.dialect))
             verdict = check.verdict(variant, lambda: self._check(variant, x, slots, pool))
             if not verdict.ok:
-                short = verdict.error.splitlines()[0][:200] if verdict.error else "failed"
-                return Plan(None, f"ops (fallback: self-check failed for {variant.label}: {short})")
+                return Plan(None, f"ops (fallback: {failed_check(variant, verdict)})")
         return Plan(launches, self.dialect)
 
     def _launches(self, pool, x, slots) -> Tuple[Launch, Launch]:
@@ -706,19 +834,55 @@ class KernelBackend:
 
     def variant(self, x: mx.array, slots: mx.array, pool) -> selfcheck.Variant:
         """The kernel variant that calls shaped like this one launch (the self-check's key)."""
-        q = pool.quantization
+        return self.variant_of(
+            ExpertSpec.of_pool(pool),
+            x.dtype,
+            _slots(slots).dtype,
+            slots.shape[-1],
+            math.prod(x.shape[:-1]),
+        )
+
+    def variant_of(
+        self, spec: ExpertSpec, dtype, slot_dtype, topk: int, tokens: int
+    ) -> selfcheck.Variant:
+        """The kernel variant of calls on a layer the kernels take (``expert_route``: None).
+
+        Args:
+            spec: the layer's experts.
+            dtype: the activation dtype.
+            slot_dtype: the slot indices' dtype (``mx.uint32`` from the caches).
+            topk: experts per token.
+            tokens: tokens per call.
+
+        Returns:
+            The ``selfcheck.Variant`` (its label is the self-check's key).
+        """
+        q = spec.quantization
+        assert q is not None, "the kernels take quantized experts only"
+        hidden, inter = spec.dims
         return selfcheck.Variant(
             dialect=self.dialect,
-            dtype=selfcheck.dtype_name(x.dtype),
-            scales=selfcheck.dtype_name(pool.arrays["gate_proj.scales"].dtype),
-            slots=selfcheck.dtype_name(_slots(slots).dtype),
+            dtype=selfcheck.dtype_name(dtype),
+            scales=selfcheck.dtype_name(spec.shapes["gate_proj.scales"][0]),
+            slots=selfcheck.dtype_name(slot_dtype),
             bits=q.bits,
             group_size=q.group_size,
-            hidden=x.shape[-1],
-            inter=pool.arrays["gate_proj.weight"].shape[1],
-            topk=slots.shape[-1],
-            tokens=math.prod(x.shape[:-1]),
+            hidden=hidden,
+            inter=inter,
+            topk=topk,
+            tokens=tokens,
         )
+
+    def recorded_verdict(self, variant: selfcheck.Variant) -> Optional[selfcheck.Verdict]:
+        """The self-check's verdict on ``variant`` on this machine, without running it.
+
+        Args:
+            variant: from ``variant`` / ``variant_of``.
+
+        Returns:
+            The verdict this process or the disk keeps, or None when it has not run.
+        """
+        return selfcheck.checker(self.dialect, source_digest(self.dialect)).recorded(variant)
 
     def _check(self, variant: selfcheck.Variant, x: mx.array, slots: mx.array, pool) -> float:
         """Run the launches of this variant once on random experts and inputs of the layer's

@@ -48,6 +48,9 @@ class OpsBackend:
 
     name = "ops"
 
+    def __init__(self, why: str = "requested"):
+        self.why = why  # why plain ops compute every layer (``compute.backend.layer_choice``)
+
     def __call__(self, x: mx.array, slots: mx.array, pool: ExpertPool, activation) -> mx.array:
         x = mx.expand_dims(x, (-2, -3))
         do_sort = slots.size >= SORT_THRESHOLD

@@ -176,11 +176,8 @@ class SelfCheck:
         v = self.verdicts.get(label)
         if v is not None:
             return v
-        known = self._load().get(label)
-        if known is not None:
-            fields = {k: known[k] for k in ("ok", "error", "rel_err", "seconds", "checked")}
-            v = Verdict(**fields, cached=True)
-        else:
+        v = self.recorded(variant)
+        if v is None:
             v = self._run(variant, run)
             self._store(label, v)
         self.verdicts[label] = v
@@ -195,6 +192,25 @@ class SelfCheck:
                 self.path,
             )
         return v
+
+    def recorded(self, variant: Variant) -> Optional[Verdict]:
+        """The verdict on ``variant`` this process reached or the disk keeps, without running
+        the check (``moeflux-mlx info`` asks this).
+
+        Args:
+            variant: the kernel variant.
+
+        Returns:
+            The verdict, or None when neither has one.
+        """
+        v = self.verdicts.get(variant.label)
+        if v is not None:
+            return v
+        known = self._load().get(variant.label)
+        if known is None:
+            return None
+        fields = {k: known[k] for k in ("ok", "error", "rel_err", "seconds", "checked")}
+        return Verdict(**fields, cached=True)
 
     def _run(self, variant: Variant, run: Callable[[], float]) -> Verdict:
         self.runs += 1
