@@ -175,9 +175,9 @@ def test_injected_failure_falls_back_with_one_warning(fake_gpu, mode, caplog):
     pool4 = _pool(bits=4)
     kb(x, slots, pool4, SwiGLU())
     assert kb.last_served == "metal"
-    # a new process finds the failure on disk: no check, one warning again, still the ops path
+    # a new process with the same (broken) kernel text finds the failure on disk: no check,
+    # one warning again, still the ops path
     S.forget()
-    K.break_variants(None)
     caplog.clear()
     kb2 = K.KernelBackend("metal", OpsBackend())
     pool8 = _pool(bits=8, seed=7)
@@ -292,6 +292,22 @@ def test_check_pool_is_laid_out_like_blobs():
     assert mx.array_equal(
         S.random_pool_like(pool, v).arrays["up_proj.scales"], test.arrays["up_proj.scales"]
     )
+
+
+@pytest.mark.parametrize("dialect", ["metal", "cuda"])
+def test_wrong_mode_breaks_the_shared_dot_products(dialect):
+    """'wrong' must reach the dot products the header defines (a redefinition after them would
+    leave the GLU and down kernels right), and broken kernels keep their verdicts apart."""
+    header, body = K.kernel_text("glu", dialect)
+    broken, _ = K._break_text("wrong", header, body)
+    defs = [ln for ln in broken.splitlines() if ln.startswith("#define MF_FMA")]
+    assert defs == ["#define MF_FMA(a, b, c) ((a) * (b) - (c))"]
+    assert broken.index("#define MF_FMA") < broken.index("MfChunk")
+    real = K.source_digest(dialect)
+    K.break_variants("wrong")
+    assert K.source_digest(dialect) != real
+    K.break_variants(None)
+    assert K.source_digest(dialect) == real
 
 
 def test_break_switch_is_validated():

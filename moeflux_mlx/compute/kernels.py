@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -190,8 +191,15 @@ def _broken_mode(kind: str, dialect: str, template: dict) -> Optional[str]:
 def _break_text(mode: str, header: str, body: str) -> Tuple[str, str]:
     if mode == "compile":
         return header, body + "\n  mf_this_is_not_a_statement;\n"
-    if mode == "wrong":  # every accumulation subtracts instead of adds
-        return header + "\n#undef MF_FMA\n#define MF_FMA(a, b, c) ((a) * (b) - (c))\n", body
+    if mode == "wrong":
+        # Every accumulation subtracts instead of adds. The prelude's definition itself is
+        # replaced: the shared dot products in the header expand MF_FMA where they are defined,
+        # so a redefinition after them would leave the GLU and down kernels right.
+        wrong = "#define MF_FMA(a, b, c) ((a) * (b) - (c))"
+        broken = re.sub(r"#define MF_FMA\(a, b, c\) .*", wrong, header, count=1)
+        if broken == header:
+            raise AssertionError("the prelude defines no MF_FMA to break")
+        return broken, body
     return header, body
 
 
@@ -702,6 +710,8 @@ def source_digest(dialect: str) -> str:
     for kind, variant in (("glu", "plain"), ("down", "plain")):
         header, body = kernel_text(kind, dialect, variant)
         h.update((header + "\0" + body + "\0").encode())
+    if _BREAK:  # broken texts are other kernels: their verdicts must not meet the real ones'
+        h.update(f"broken:{_BREAK['mode']}".encode())
     return h.hexdigest()[:12]
 
 
@@ -722,6 +732,7 @@ class KernelBackend:
         self.selfcheck = selfcheck
         self.last_served = dialect
         self._available: Optional[bool] = None
+        self._why_unavailable: Optional[str] = None
 
     @property
     def available(self) -> bool:
@@ -732,9 +743,13 @@ class KernelBackend:
     def unavailable_reason(self) -> Optional[str]:
         if self.available:
             return None
-        if mx.default_device() != mx.gpu:
-            return f"{self.dialect} kernels not available: MLX's default device is the CPU"
-        return f"{self.dialect} backend not available on this device"
+        if self._why_unavailable is None:  # worded once, as availability is decided once
+            self._why_unavailable = (
+                f"{self.dialect} kernels not available: MLX's default device is the CPU"
+                if mx.default_device() != mx.gpu
+                else f"{self.dialect} backend not available on this device"
+            )
+        return self._why_unavailable
 
     def report(self) -> str:
         """What will compute the experts, before any call: the dialect, or ops and why."""
