@@ -1,387 +1,233 @@
-"""Which eviction policy should the expert cache use? Hit rates of LRU (what the cache does) and
-the alternatives, replayed on routing traces recorded from a model decoding.
+"""Which eviction policy, and which prefetch predictor, suit a model's routing? Measured on
+routing traces: the experts every MoE layer routed each token to.
 
-Records, per MoE layer, the experts each decode token is routed to (greedy decode through
-moeflux with every expert resident, so any model size works, plain or converted), then replays
-each layer's trace through a cache of C slots under each policy, for several budgets:
+Records (``moeflux_mlx.benchmark.routing``) a model's routing over held-out text, teacher-forced
+(one forward pass per ``--context`` tokens, every expert resident; the text's first ``--tokens``
+tokens, or with ``--per-document N`` the first N of each document), and over a short greedy
+decode from the text's start; saves each as a small trace file (``.npz``: experts as uint8
+``[tokens, layers, top_k]`` and the predictors' rankings, no hidden states); then reports on each:
 
-``lru``     evict the least recently used expert not needed by this token (moeflux's policy)
-``lfu``     evict the least frequently used so far (ties: least recently used)
-``decay``   evict the lowest exponentially decayed use count (half-lives ``--half-life`` tokens)
-``random``  evict a random resident expert not needed now
-``opt``     Belady's offline optimum: evict the expert whose next use is farthest away (an upper
-            bound no online policy reaches; it shows how much room there is above LRU)
+- how skewed expert popularity is (top-10% share, normalized entropy, Gini, experts unused);
+- reuse: the share of a token's experts the same layer used in the last N tokens;
+- predictors of the next token's experts, on the tokens after the ``--fit-tokens`` fit segment:
+  the same layer's last N tokens (``window N``: their union, or its k / 2k most used), the next
+  layer's router applied to this layer's MoE input (``gate``: what ``prefetch=True`` reads), and
+  a ridge map from this layer's MoE input to the next layer's router scores fitted on the fit
+  segment (``ridge``, ``moeflux_mlx.model.predict.RidgeRouterMap``): recall at top_k and
+  2 x top_k, and beside the package's LRU at ``--prefetch-budget`` the share of its misses each
+  would have read ahead and the reads it would waste per token;
+- eviction: each layer's trace replayed through the package's own policies
+  (``moeflux_mlx.cache.policy.POLICIES``: lru, lfu, lfuda, decay, s3fifo, driven exactly as the
+  cache drives them), random eviction and Belady's offline optimum (``opt``, a bound no online
+  policy reaches), at each budget: misses per token and the ratio to LRU.
 
-It also measures two prefetch predictors, through the LRU cache: the same layer's
-experts of the previous token, and the next layer's router applied to this layer's MoE input
-(what ``prefetch=True`` reads ahead), recorded beside the routing: each one's recall, the share
-of the cache's misses it would have read ahead, and the reads it would waste per token.
+    python benchmarks/cache_policy.py [MODEL] [--tokens 4096] [--fit-tokens 2048] [--decode 128]
+        [--per-document 256] [--budgets 0.1,0.25,0.5] [--half-life 8] [--label NAME]
+    python benchmarks/cache_policy.py --traces benchmarks/results/traces/...-text.npz [...]
 
-    python benchmarks/cache_policy.py [MODEL] [--tokens 256] [--budgets 0.1,0.25,0.5,0.75]
-    python benchmarks/cache_policy.py --traces benchmarks/results/...-cache-policy.json --half-life 8,32,128
-
-Without MODEL it builds a random qwen3_moe (8 layers, 128 experts, top-8, small hidden size).
-Random weights route differently from trained ones: measure on the real model to decide.
-Prints a table and writes ``<out>/<date>-<machine>-cache-policy.{json,md}``.
+Without MODEL it builds a random-weight qwen3_moe of the demo model's shape (8 layers, 64
+experts, top-8, hidden 256, vocabulary 4096: training/train.py's demo preset), so random and
+trained routing compare on the same text. Writes the traces and
+``<date>-<machine>-<label>-routing.md`` to ``--out`` (``benchmarks/results/traces``).
 """
 
 import argparse
 import datetime
 import json
-import random
 import sys
-from collections import defaultdict
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import List
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-POLICIES = ("lru", "lfu", "decay", "random", "opt")
+from moeflux_mlx.benchmark import report  # noqa: E402
+from moeflux_mlx.benchmark.routing import RoutingTrace, analyze, format_report  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TEXT = ROOT / "training" / "data" / "tokens-test.npy"
+# training/train.py's demo preset, as config.json overrides of synth's qwen3_moe
+DEMO_SHAPE = {
+    "hidden_size": 256,
+    "num_hidden_layers": 8,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 128,
+    "intermediate_size": 1024,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 4096,
+    "tie_word_embeddings": True,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 2048,
+}
 
 
-def replay(
-    trace: Sequence[Sequence[int]],
-    n_slots: int,
-    policy: str,
-    half_life: float = 32.0,
-    seed: int = 0,
-):
-    """Replay one layer's trace (one set of experts per token) through ``n_slots`` slots; yields
-    ``(need, resident)`` per token: the experts it routes to and those resident before it.
-    Every routed expert must be resident for its token: a miss evicts a resident expert that
-    this token does not need (the cache's admission rule)."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    rng = random.Random(seed)
-    resident: set = set()
-    last: Dict[int, int] = {}
-    count: Dict[int, float] = defaultdict(float)
-    decay = 0.5 ** (1.0 / half_life)
-    next_use: List[Dict[int, int]] = []
-    if policy == "opt":  # for each token, each expert's next use after it
-        upcoming: Dict[int, int] = {}
-        for t in range(len(trace) - 1, -1, -1):
-            next_use.append(dict(upcoming))
-            for e in trace[t]:
-                upcoming[e] = t
-        next_use.reverse()
-    for t, experts in enumerate(trace):
-        need = set(int(e) for e in experts)
-        if len(need) > n_slots:
-            raise ValueError(f"token {t} routes to {len(need)} experts, more than {n_slots} slots")
-        yield need, frozenset(resident)
-        for e in sorted(need - resident):
-            if len(resident) >= n_slots:
-                candidates = sorted(resident - need)
-                if policy == "lru":
-                    victim = min(candidates, key=lambda c: last[c])
-                elif policy in ("lfu", "decay"):
-                    victim = min(candidates, key=lambda c: (count[c], last[c]))
-                elif policy == "random":
-                    victim = rng.choice(candidates)
-                else:
-                    victim = max(candidates, key=lambda c: next_use[t].get(c, len(trace)))
-                resident.discard(victim)
-            resident.add(e)
-        if policy == "decay":
-            for e in list(count):
-                count[e] *= decay
-        for e in need:
-            last[e] = t
-            count[e] += 1.0
+def _floats(text: str) -> List[float]:
+    return [float(v) for v in text.split(",") if v]
 
 
-def simulate(
-    trace: Sequence[Sequence[int]],
-    n_slots: int,
-    policy: str,
-    half_life: float = 32.0,
-    seed: int = 0,
-) -> int:
-    """Hits of one layer's trace through ``n_slots`` slots under ``policy`` (see ``replay``)."""
-    return sum(
-        len(need & resident) for need, resident in replay(trace, n_slots, policy, half_life, seed)
+def _ints(text: str) -> List[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def random_model(build_dir: Path) -> Path:
+    """The random-weight demo-shaped qwen3_moe (4-bit, like the trained model's export).
+
+    Args:
+        build_dir: where it is built, once.
+
+    Returns:
+        Its checkpoint folder.
+    """
+    from moeflux_mlx.testing import synth
+
+    path = build_dir / "qwen3_moe-demo-shape-random"
+    if not (path / "config.json").exists():
+        synth.build_checkpoint(path, "qwen3_moe", "small", overrides=DEMO_SHAPE)
+    return path
+
+
+def text_tokens(path: Path, skip: int, count: int, per_document: int) -> tuple:
+    """The text to record.
+
+    Args:
+        path: token ids (``.npy``; with ``per_document``, the ``.json`` beside it gives the
+            documents' boundaries, as ``training/data`` has them).
+        skip: the first token (or, with ``per_document``, document) to take.
+        count: how many tokens.
+        per_document: at most this many tokens of each document (0: the text as it is).
+
+    Returns:
+        ``(token ids, a line saying which)``.
+    """
+    ids = np.load(path)
+    if not per_document:
+        tokens = ids[skip : skip + count].astype(np.int64)
+        return tokens, f"{path.name}[{skip}:{skip + tokens.size}]"
+    docs = json.loads(path.with_suffix(".json").read_text())["documents"]
+    parts, total, last = [], 0, skip
+    for i, (start, n) in enumerate(zip(docs["start"], docs["tokens"])):
+        if i < skip or total >= count:
+            continue
+        part = ids[start : start + min(n, per_document, count - total)]
+        parts.append(part)
+        total += part.size
+        last = i
+    tokens = np.concatenate(parts).astype(np.int64)
+    return tokens, f"{path.name}: the first {per_document} tokens of documents {skip}-{last}"
+
+
+def record(args, label: str, stem: str) -> List[RoutingTrace]:
+    """Record the text (and decode) traces of ``args.model`` and save them under ``args.out``.
+
+    Args:
+        args: the parsed command line.
+        label: the run's name (in the traces' meta).
+        stem: the trace files' name before ``-text.npz`` / ``-decode.npz``.
+
+    Returns:
+        The traces: the text's, then the decode's if any.
+    """
+    from moeflux_mlx.benchmark.routing import record_text
+
+    model = args.model if args.model is not None else random_model(args.build_dir)
+    try:  # the result files name a model in the checkout by its path in the checkout
+        shown = str(model.resolve().relative_to(ROOT))
+    except ValueError:
+        shown = str(model)
+    tokens, source = text_tokens(args.text, args.skip, args.tokens, args.per_document)
+    text, dec = record_text(
+        model,
+        tokens,
+        context=args.context,
+        fit_tokens=args.fit_tokens,
+        alpha=args.alpha,
+        decode=args.decode,
+        prompt_tokens=args.prompt_tokens,
+        meta={
+            "label": label,
+            "model": shown,
+            "source": source,
+        },
     )
-
-
-def predictor_sets(
-    trace: Sequence[Sequence[int]], gate_predicted: Optional[Sequence[Sequence[int]]]
-) -> Dict[str, List[set]]:
-    """Per predictor, the experts it names for each token of one layer: the same layer's experts
-    of the previous token, the next-layer gate (this layer's router applied to the previous MoE
-    layer's input: what ``prefetch=True`` reads ahead), and both together."""
-    previous = [set()] + [set(s) for s in trace[:-1]]
-    out = {"previous token": previous}
-    if gate_predicted is not None:
-        gate = [set(s) for s in gate_predicted]
-        out["next-layer gate"] = gate
-        out["both"] = [a | b for a, b in zip(previous, gate)]
+    out = [text] + ([dec] if dec is not None else [])
+    for trace, kind in zip(out, ("text", "decode")):
+        path = trace.save(args.out / f"{stem}-{kind}.npz")
+        print(f"wrote {path} ({path.stat().st_size / 1e3:.0f} kB)")
     return out
 
 
-def prefetch_coverage(
-    trace: Sequence[Sequence[int]], predicted: Dict[str, List[set]], n_slots: int
-) -> dict:
-    """Through an LRU cache of ``n_slots`` (what moeflux keeps; a prefetch reads into buffers of
-    its own and does not change it): routed experts, misses, and per predictor the misses it
-    would have read ahead (``covered``) and the absent experts it would have read for nothing
-    (``wasted``): prefetch pays only on misses, and its wasted reads compete with them."""
-    out = {"routed": 0, "misses": 0, "tokens": len(trace)}
-    for name in predicted:
-        out[name] = {"covered": 0, "wasted": 0}
-    for t, (need, resident) in enumerate(replay(trace, n_slots, "lru")):
-        miss = need - resident
-        out["routed"] += len(need)
-        out["misses"] += len(miss)
-        for name, sets in predicted.items():
-            ahead = sets[t] - resident
-            out[name]["covered"] += len(ahead & miss)
-            out[name]["wasted"] += len(ahead - need)
-    return out
+def main(argv=None) -> int:
+    """Record (or load) the traces, report on them, write the report.
 
+    Args:
+        argv: the command line (default: ``sys.argv[1:]``).
 
-def record_traces(model_path: Path, prompts: List[List[int]], tokens: int):
-    """Greedy decode of each prompt; returns ``(traces, gate_predicted)``: layer -> one list of
-    routed experts per decode token, and layer -> the experts its router picks for the previous
-    MoE layer's input at the same token (the next-layer-gate prediction ``prefetch=True`` uses;
-    the first MoE layer has none)."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-
-    import moeflux_mlx
-    from moeflux_mlx.model.predict import next_gates, predict_experts
-    from moeflux_mlx.model.switch import StreamingSwitchGLU
-
-    model, _ = moeflux_mlx.load(model_path, cache_budget="all", backend="ops")
-    gates = next_gates(model, model.moeflux.layout.module_paths)  # layer -> (next layer, router)
-    traces: Dict[int, list] = defaultdict(list)
-    gate_predicted: Dict[int, list] = defaultdict(list)
-    recording = [False]
-    original = StreamingSwitchGLU.__call__
-
-    def call(self, x, indices):
-        if recording[0] and indices.size == indices.shape[-1]:  # one decode token
-            traces[self.layer].append(np.array(indices).reshape(-1).tolist())
-            ahead = gates.get(self.layer)
-            if ahead is not None:
-                predicted = predict_experts(ahead[1], x, indices.shape[-1])
-                gate_predicted[ahead[0]].append(np.array(predicted).reshape(-1).tolist())
-        return original(self, x, indices)
-
-    StreamingSwitchGLU.__call__ = call
-    try:
-        with model.moeflux:
-            for prompt in prompts:
-                gen = generate_step(mx.array(prompt), model, max_tokens=tokens + 1)
-                next(gen)  # the prefill's routing is one bulk fill, not a decode pattern
-                recording[0] = True
-                for _ in gen:
-                    pass
-                recording[0] = False
-    finally:
-        StreamingSwitchGLU.__call__ = original
-    return dict(traces), dict(gate_predicted)
-
-
-def columns(half_lives: Sequence[float]) -> List[tuple]:
-    """(column name, policy, half-life): one decay column per half-life."""
-    cols = [("lru", "lru", 0.0), ("lfu", "lfu", 0.0)]
-    cols += [(f"decay {h:g}", "decay", h) for h in half_lives]
-    return cols + [("random", "random", 0.0), ("opt", "opt", 0.0)]
-
-
-def _slots(trace, frac: float, num_experts: int) -> int:
-    return max(max(len(s) for s in trace), int(round(frac * num_experts)))
-
-
-def run(
-    traces: Dict[int, list],
-    num_experts: Dict[int, int],
-    budgets: Sequence[float],
-    half_lives: Sequence[float],
-) -> dict:
-    rows = []
-    for frac in budgets:
-        row = {"budget": frac}
-        for name, policy, half_life in columns(half_lives):
-            hits = routed = 0
-            for layer, trace in traces.items():
-                hits += simulate(
-                    trace, _slots(trace, frac, num_experts[layer]), policy, half_life or 32.0
-                )
-                routed += sum(len(s) for s in trace)
-            row[name] = hits / routed
-        rows.append(row)
-    return {
-        "rows": rows,
-        "columns": [c[0] for c in columns(half_lives)],
-        "layers": len(traces),
-        "tokens": min(len(t) for t in traces.values()) if traces else 0,
-    }
-
-
-def format_table(result: dict) -> str:
-    cols = result["columns"]
-    lines = [
-        "| budget | " + " | ".join(cols) + " | opt - lru |",
-        "|---|" + "---|" * (len(cols) + 1),
-    ]
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['budget']:.0%} | "
-            + " | ".join(f"{r[c]:.1%}" for c in cols)
-            + f" | {r['opt'] - r['lru']:+.1%} |"
-        )
-    return "\n".join(lines)
-
-
-def run_prefetch(
-    traces: Dict[int, list],
-    gate_predicted: Dict[int, list],
-    num_experts: Dict[int, int],
-    budgets: Sequence[float],
-) -> dict:
-    """Each predictor's recall (routed experts it named) and, per budget, the share of LRU's
-    misses it would have read ahead and its wasted reads per token. Over the layers that have
-    a next-layer-gate prediction (every MoE layer but the first), so predictors compare."""
-    layers = sorted(gate_predicted) or sorted(traces)
-    sets = {layer: predictor_sets(traces[layer], gate_predicted.get(layer)) for layer in layers}
-    names = list(sets[layers[0]]) if layers else []
-    routed = sum(len(s) for layer in layers for s in traces[layer])
-    recall = {
-        n: sum(len(p & set(r)) for layer in layers for p, r in zip(sets[layer][n], traces[layer]))
-        / max(routed, 1)
-        for n in names
-    }
-    rows = []
-    for frac in budgets:
-        per = [
-            prefetch_coverage(
-                traces[layer], sets[layer], _slots(traces[layer], frac, num_experts[layer])
-            )
-            for layer in layers
-        ]
-        misses = sum(c["misses"] for c in per)
-        tokens = per[0]["tokens"] if per else 0
-        row = {"budget": frac, "misses_per_token": misses / max(tokens, 1)}
-        for n in names:
-            row[n] = {
-                "covered": sum(c[n]["covered"] for c in per) / max(misses, 1),
-                "wasted_per_token": sum(c[n]["wasted"] for c in per) / max(tokens, 1),
-            }
-        rows.append(row)
-    return {"layers": layers, "predictors": names, "recall": recall, "rows": rows}
-
-
-def format_prefetch(result: dict) -> str:
-    names = result["predictors"]
-    recall = ", ".join(f"{n} {result['recall'][n]:.1%}" for n in names)
-    lines = [
-        f"Recall (routed experts the predictor named): {recall}.",
-        "",
-        "| budget | misses/tok | "
-        + " | ".join(f"{n}: misses covered | {n}: wasted reads/tok" for n in names)
-        + " |",
-        "|---|---|" + "---|---|" * len(names),
-    ]
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['budget']:.0%} | {r['misses_per_token']:.2f} | "
-            + " | ".join(f"{r[n]['covered']:.1%} | {r[n]['wasted_per_token']:.2f}" for n in names)
-            + " |"
-        )
-    return "\n".join(lines)
-
-
-def main():
-    from moeflux_mlx.benchmark import report
-
+    Returns:
+        The exit status (0).
+    """
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("model", nargs="?", type=Path)
-    ap.add_argument("--tokens", type=int, default=256, help="decode tokens per prompt")
-    ap.add_argument("--prompts", type=int, default=2)
-    ap.add_argument("--budgets", default="0.1,0.25,0.5,0.75")
-    ap.add_argument("--half-life", default="32", help="decay half-lives in tokens, comma-separated")
-    ap.add_argument("--traces", type=Path, help="replay the traces saved in an earlier result")
-    ap.add_argument("--build-dir", type=Path, default=Path(".cache/bench-models"))
+    ap.add_argument("model", nargs="?", type=Path, help="a checkpoint (default: random model)")
+    ap.add_argument("--traces", type=Path, nargs="+", help="report on saved traces instead")
+    ap.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="token ids (.npy)")
+    ap.add_argument("--skip", type=int, default=0, help="start this many tokens (or documents) in")
+    ap.add_argument(
+        "--per-document", type=int, default=0, help="take at most this many tokens a document"
+    )
+    ap.add_argument("--tokens", type=int, default=4096, help="text tokens to record")
+    ap.add_argument("--context", type=int, default=512, help="tokens per forward pass")
+    ap.add_argument("--fit-tokens", type=int, default=2048, help="the ridge map's fit segment")
+    ap.add_argument("--alpha", type=float, default=1e-3, help="ridge strength (relative)")
+    ap.add_argument("--decode", type=int, default=128, help="greedy decode tokens (0: none)")
+    ap.add_argument("--prompt-tokens", type=int, default=64, help="the decode's prompt")
+    ap.add_argument("--budgets", default="0.1,0.25,0.5", help="fractions of each layer's experts")
+    ap.add_argument("--half-life", default="8", help="decay half-lives in tokens, comma-separated")
+    ap.add_argument("--windows", default="1,2,4,8,12,16", help="reuse windows in tokens")
+    ap.add_argument("--predictor-windows", default="1,2,4,8,16", help="window predictors")
+    ap.add_argument("--prefetch-budget", type=float, default=0.25)
+    ap.add_argument("--label", default=None, help="names the files (default: model folder)")
+    ap.add_argument("--build-dir", type=Path, default=ROOT / ".cache" / "bench-models")
     ap.add_argument("--machine", default=None)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = ap.parse_args()
-    half_lives = [float(h) for h in args.half_life.split(",")]
-    budgets = [float(b) for b in args.budgets.split(",")]
-    if args.traces is not None:
-        saved = json.loads(args.traces.read_text())
-        traces = {int(k): v for k, v in saved["traces"].items()}
-        num_experts = {int(k): v for k, v in saved["num_experts"].items()}
-        gate_predicted = {int(k): v for k, v in saved.get("gate_predicted", {}).items()}
-        model, n_prompts, n_tokens = saved["model"], saved["prompts"], saved["tokens"]
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "traces")
+    args = ap.parse_args(argv)
+
+    machine = report.machine_name()
+    tag = args.machine or report.machine_tag(machine)
+    date = datetime.date.today().isoformat()
+    if args.traces:
+        traces = [RoutingTrace.load(p) for p in args.traces]
+        label = args.label or args.traces[0].stem
     else:
-        model, traces, gate_predicted, num_experts = _record(args)
-        n_prompts, n_tokens = args.prompts, args.tokens
-    result = run(traces, num_experts, budgets, half_lives)
-    result.update(
-        model=str(model),
-        machine=report.machine_name(),
-        half_lives=half_lives,
-        prompts=n_prompts,
-        tokens=n_tokens,
-        num_experts=num_experts,
-        traces={str(k): v for k, v in traces.items()},
-        gate_predicted={str(k): v for k, v in gate_predicted.items()},
-    )
-    result["prefetch"] = run_prefetch(traces, gate_predicted, num_experts, budgets)
-    table = format_table(result)
-    head = (
-        f"# Expert cache policies: hit rate on {Path(model).name}\n\n"
-        f"Machine: {result['machine']}. {result['layers']} MoE layers, {n_prompts} prompts x "
-        f"{n_tokens} greedy decode tokens; per layer a cache of budget x experts slots; "
-        f"decay half-lives in tokens.\n"
-    )
-    pf = result["prefetch"]
-    table += (
-        (
-            "\n\n## Prefetch predictors, through the LRU cache\n\n"
-            f"Over MoE layers {pf['layers'][0]}-{pf['layers'][-1]} (the first has no previous "
-            "layer to predict it from). A predictor's reads go to buffers of their own (the "
-            "cache evolves as without prefetch); it covers a miss it named, and wastes a read on "
-            "an absent expert it named that the router did not pick.\n\n" + format_prefetch(pf)
+        label = args.label or (args.model.name if args.model is not None else "random")
+        args.out.mkdir(parents=True, exist_ok=True)
+        traces = record(args, label, f"{date}-{label}")
+    sections = []
+    for trace in traces:
+        result = analyze(
+            trace,
+            budgets=_floats(args.budgets),
+            half_lives=_floats(args.half_life),
+            windows=_ints(args.windows),
+            prefetch_budget=args.prefetch_budget,
+            predictor_windows=_ints(args.predictor_windows),
         )
-        if pf["layers"]
-        else ""
+        sections.append(f"## {trace.meta.get('mode', 'trace')}\n\n" + format_report(result))
+    body = (
+        f"# Routing, caching and prediction: {label}\n\nMachine: {machine}. "
+        f"`benchmarks/cache_policy.py`; see docs/routing.md.\n\n" + "\n\n".join(sections) + "\n"
     )
-    print(head + "\n" + table)
-    tag = args.machine or report.machine_tag(result["machine"])
-    stem = f"{datetime.date.today().isoformat()}-{tag}-cache-policy"
+    print(body)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.json").write_text(json.dumps(result))
-    (args.out / f"{stem}.md").write_text(head + "\n" + table + "\n")
-    print(f"wrote {args.out / stem}.{{json,md}}")
-
-
-def _record(args):
-    from moeflux_mlx.format.checkpoint import expert_layout
-    from moeflux_mlx.testing import synth
-
-    model = args.model
-    if model is None:
-        model = args.build_dir / "qwen3_moe-small-128x8-8l"
-        if not model.exists():
-            synth.build_checkpoint(
-                model,
-                "qwen3_moe",
-                "small",
-                overrides={"num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 8},
-            )
-    layout = expert_layout(model)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 256, 64).tolist() for _ in range(args.prompts)]
-    traces, gate_predicted = record_traces(model, prompts, args.tokens)
-    return model, traces, gate_predicted, {k: v.num_experts for k, v in layout.layers.items()}
+    path = args.out / f"{date}-{tag}-{label}-routing.md"
+    path.write_text(body)
+    print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

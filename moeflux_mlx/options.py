@@ -11,7 +11,7 @@ Plain Python: the miss server process imports it without MLX.
     MOEFLUX_BACKEND              backend         auto | ops | metal | cuda
     MOEFLUX_DEVICE_TABLE         device_table    0/off/false/no | 1/on/true/yes (unset: where CUDA is)
     MOEFLUX_SLOT_WRITES          slot_writes     host | device (unset: by the device)
-    MOEFLUX_EVICTION             eviction        lru | lfu | lfuda | decay
+    MOEFLUX_EVICTION             eviction        lru | lfu | lfuda | decay | s3fifo
     MOEFLUX_WAIT_TIMEOUT_S       wait_timeout_s  how long the GPU waits for the miss server (> 0)
     MOEFLUX_SERVER_POLL_US       server_poll_us  the miss server's poll interval after a request
     MOEFLUX_SERVER_POLL_MAX_US   server_poll_max_us  ... growing to this while no request comes
@@ -37,7 +37,7 @@ from .errors import OptionError
 IO_MODES = ("auto", "mmap", "pread")
 BACKENDS = ("auto", "ops", "metal", "cuda")
 SLOT_WRITES = ("host", "device")
-EVICTIONS = ("lru", "lfu", "lfuda", "decay")  # cache.policy.POLICIES
+EVICTIONS = ("lru", "lfu", "lfuda", "decay", "s3fifo")  # cache.policy.POLICIES
 DEFAULT_RAM_FRACTION = (
     0.4  # of physical RAM: the cache budget when none is given and the experts do not fit
 )
@@ -139,7 +139,7 @@ class LoadOptions:
         slot_writes: ``host`` (into the pool's memory through a host view) or ``device`` (through
             host staging and a GPU scatter); None: ``device`` on CUDA, else ``host``.
         eviction: which resident expert a miss replaces (``cache.policy``): ``lru`` (default),
-            ``lfu``, ``lfuda`` or ``decay``. The device-side table's layers keep LRU.
+            ``lfu``, ``lfuda``, ``decay`` or ``s3fifo``. The device-side table's layers keep LRU.
         wait_timeout_s: how long the GPU waits for the miss server before it gives up.
         server_poll_us, server_poll_max_us: the miss server's poll interval after a request, and
             the cap it grows to while no request comes.

@@ -1,10 +1,17 @@
-"""benchmarks/cache_policy.py: the eviction-policy replay is right, and traces come from decode."""
+"""benchmarks/cache_policy.py and its library (moeflux_mlx.benchmark.routing): the replay drives
+the package's own eviction policies and counts exactly, the reuse / recall / coverage figures
+are right on hand traces, traces survive a round trip through their files, and recording works
+on a model moeflux_mlx.load opens."""
 
 import importlib.util
-import random
+import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from moeflux_mlx.benchmark import routing as R
+from moeflux_mlx.cache.policy import POLICIES, LRUPolicy, S3FIFOPolicy
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "cache_policy.py"
 _spec = importlib.util.spec_from_file_location("cache_policy", _PATH)
@@ -12,79 +19,233 @@ cp = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cp)
 
 
-def test_hand_trace():
+def _misses(trace, slots, name, experts=8):
+    return R.misses(np.array(trace), experts, slots, R.policy_factories()[name])
+
+
+def test_hand_trace_belady_below_lru():
     trace = [[1], [2], [3], [1], [2], [3]]
-    assert cp.simulate(trace, 2, "lru") == 0  # the cyclic worst case of LRU
-    assert cp.simulate(trace, 2, "lfu") == 0
-    assert cp.simulate(trace, 2, "opt") == 2  # evicts 2 at t=2 (used later than 1), 1 at t=4
-    assert cp.simulate(trace, 3, "lru") == 3  # everything fits: only the first uses miss
+    assert _misses(trace, 2, "lru") == 6  # the cyclic worst case of LRU: every use misses
+    assert _misses(trace, 2, "lfu") == 6
+    assert _misses(trace, 2, "opt") == 4  # evicts 2 at t=2 (used later than 1), 1 at t=4
+    assert _misses(trace, 3, "lru") == _misses(trace, 3, "opt") == 3  # only the first uses
+    # two experts a token (a repeat counts once): at t=3 LRU evicts 1, the one used next;
+    # Belady evicts 0 or 2, never used again
+    pairs = [[0, 1], [2, 0], [3, 3], [1, 1]]
+    assert _misses(pairs, 3, "lru") == 5 and _misses(pairs, 3, "opt") == 4
 
 
-def test_optimum_bounds_every_policy_and_sets_stay_resident():
-    rng = random.Random(1)
-    trace = [
-        rng.sample(range(32), 4) if rng.random() < 0.5 else rng.sample(range(8), 4)
-        for _ in range(300)
-    ]
-    routed = sum(len(s) for s in trace)
+def test_the_replay_runs_the_package_policies():
+    factories = R.policy_factories(half_lives=(8, 32))
+    assert set(factories) == (set(POLICIES) - {"decay"}) | {"decay 8", "decay 32", "random", "opt"}
+    t = np.array([[0]])
+    assert type(factories["lru"](8, 2, t)) is LRUPolicy
+    assert type(factories["s3fifo"](8, 2, t)) is S3FIFOPolicy
+    assert factories["decay 32"](8, 2, t).half_life == 32.0
+    # the replay's LRU and the cache's own bookkeeping agree call by call
+    rng = np.random.default_rng(3)
+    trace = np.array([rng.choice(16, 4, replace=False) for _ in range(100)])
+    p = LRUPolicy(16, 6)
+    want = []
+    for tick, row in enumerate(trace, start=1):
+        missing, victims = p.admit(np.unique(row), tick)
+        p.assign(missing, victims, tick)
+        want.append(missing.size)
+    got = [m.size for _, m, _ in R.replay(trace, 16, 6, LRUPolicy(16, 6))]
+    assert got == want
+
+
+def test_optimum_bounds_every_policy():
+    rng = np.random.default_rng(1)
+    trace = np.array(
+        [rng.choice(32 if rng.random() < 0.5 else 8, 4, replace=False) for _ in range(300)]
+    )
     for slots in (4, 8, 16):
-        hits = {p: cp.simulate(trace, slots, p) for p in cp.POLICIES}
-        assert all(0 <= h <= routed for h in hits.values())
-        assert hits["opt"] == max(hits.values()), hits
-    distinct = len({e for s in trace for e in s})
-    assert cp.simulate(trace, distinct, "lru") == routed - distinct
+        got = {n: R.misses(trace, 32, slots, f) for n, f in R.policy_factories().items()}
+        assert got["opt"] == min(got.values()), got
     with pytest.raises(ValueError, match="more than 3 slots"):
-        cp.simulate(trace, 3, "lru")
-    with pytest.raises(ValueError, match="unknown policy"):
-        cp.simulate(trace, 8, "mru")
+        R.misses(trace, 32, 3, R.policy_factories()["lru"])
 
 
-def test_prefetch_coverage_hand_trace():
-    trace = [[1, 2], [3, 4], [1, 2]]
-    gate = [[1, 2], [3, 9], [1, 5]]
-    c = cp.prefetch_coverage(trace, cp.predictor_sets(trace, gate), n_slots=2)
-    assert (c["routed"], c["misses"], c["tokens"]) == (6, 6, 3)  # 2 slots: every use misses
-    # t0 reads 1, 2 ahead; t1 reads 3 (routed) and 9 (not); t2 reads 1 (routed) and 5 (not)
-    assert c["next-layer gate"] == {"covered": 4, "wasted": 2}
-    assert c["previous token"] == {"covered": 0, "wasted": 0}  # still resident, nothing to read
-    assert c["both"] == {"covered": 4, "wasted": 2}
-    # with no cache to speak of, the previous token's experts are a prediction like any other
-    assert cp.predictor_sets([[1, 2], [2, 3]], None)["previous token"] == [set(), {1, 2}]
+def test_replay_table_counts_misses_per_token():
+    # [4 tokens, 2 layers, k=1]
+    trace = R.RoutingTrace(
+        routed=np.array([[[1], [1]], [[2], [1]], [[3], [1]], [[1], [1]]]),
+        layers=[0, 1],
+        num_experts=[8, 8],
+        tokens=np.arange(4),
+    )
+    table = R.replay_table(trace, budgets=[0.25])
+    row = table["rows"][0]
+    assert row["slots"] == [2, 2]
+    # layer 0: 1 2 3 1 with 2 slots: LRU misses all 4, Belady 3; layer 1: one miss
+    assert row["lru"] == (4 + 1) / 4 and row["opt"] == (3 + 1) / 4
 
 
-def test_previous_token_never_covers_an_lru_miss():
-    # LRU keeps the last token's experts (the most recently used) whenever a layer holds at
-    # least top-k slots, so prefetching them can save no read
-    rng = random.Random(2)
-    trace = [rng.sample(range(24), 4) for _ in range(200)]
-    gate = [rng.sample(range(24), 4) for _ in range(200)]
-    for slots in (4, 6, 12):
-        c = cp.prefetch_coverage(trace, cp.predictor_sets(trace, gate), slots)
-        assert c["previous token"]["covered"] == 0 and c["misses"] > 0
-        assert 0 < c["next-layer gate"]["covered"] < c["misses"]
+def test_window_reuse_and_recall_hand_trace():
+    routed = np.array([[0, 1], [1, 2], [2, 3], [0, 1]])
+    hot = R.one_hot(routed, 4)
+    w1 = R.window_scores(routed, 4, 1)
+    assert np.isinf(w1[0]).all()  # nothing before the first token
+    named = R.top_mask(w1, None)
+    assert named[1:].tolist() == hot[:-1].tolist()  # window 1: the previous token's experts
+    # token 1 reuses 1 of {1, 2}, token 2 reuses 2 of {2, 3}, token 3 reuses none of {0, 1}
+    assert R.recall(named[1:], hot[1:]) == pytest.approx(2 / 6)
+    w2 = R.top_mask(R.window_scores(routed, 4, 2), None)
+    assert w2[3].tolist() == [False, True, True, True]  # tokens 1 and 2
+    assert R.recall(w2[3:], hot[3:]) == 0.5
+    # ranked by uses in the window, ties by recency: over tokens 0-2, 1 and 2 were used twice
+    # (2 last), 0 and 3 once (3 last)
+    w3 = R.window_scores(routed, 4, 3)[3]
+    assert np.argsort(-w3).tolist() == [2, 1, 3, 0]
+    assert R.top_mask(R.window_scores(routed, 4, 3), 2)[3].tolist() == [False, True, True, False]
 
 
-def test_traces_from_decode(tiny_checkpoints):
-    src, packed = tiny_checkpoints["qwen3_moe"]
-    traces, gate = cp.record_traces(packed, [[1, 2, 3], [4, 5]], tokens=5)
-    assert traces and all(len(t) == 10 for t in traces.values())  # 2 prompts x 5 decode tokens
-    top_k = {len(s) for t in traces.values() for s in t}
-    assert len(top_k) == 1
-    k = top_k.pop()
-    layers = sorted(traces)
-    assert sorted(gate) == layers[1:]  # each layer predicted from the one before it
-    for layer in layers[1:]:
-        assert len(gate[layer]) == len(traces[layer])
-        assert all(len(set(s)) == len(s) == k for s in gate[layer])
-        assert all(0 <= e < 16 for s in gate[layer] for e in s)
-    pf = cp.run_prefetch(traces, gate, {k: 16 for k in traces}, [0.5])
-    assert pf["layers"] == layers[1:]
-    assert all(0.0 <= r <= 1.0 for r in pf["recall"].values())
-    assert pf["rows"][0]["previous token"]["covered"] == 0.0
-    assert "misses covered" in cp.format_prefetch(pf)
-    result = cp.run(traces, {k: 16 for k in traces}, [0.25, 0.5], half_lives=[8, 64])
-    assert [r["budget"] for r in result["rows"]] == [0.25, 0.5]
-    for r in result["rows"]:
-        assert r["opt"] >= max(r[c] for c in result["columns"]) - 1e-12
-    assert result["columns"] == ["lru", "lfu", "decay 8", "decay 64", "random", "opt"]
-    assert "| 25% |" in cp.format_table(result)
+def test_reuse_table_hand_trace():
+    trace = R.RoutingTrace(
+        routed=np.array([[0, 1], [1, 2], [2, 3], [0, 1], [0, 1]])[:, None, :],
+        layers=[0],
+        num_experts=[4],
+        tokens=np.arange(5),
+    )
+    rows = {r["window"]: r for r in R.reuse_table(trace, [1, 2])}
+    # from token 2 on: reuse within 1 token 1/2, 0/2, 2/2; within 2 tokens 1/2, 1/2, 2/2
+    assert rows[1]["reuse"] == pytest.approx(3 / 6) and rows[2]["reuse"] == pytest.approx(4 / 6)
+    assert rows[1]["distinct"] == 2 and rows[2]["distinct"] == pytest.approx((3 + 3 + 4) / 3)
+
+
+def test_coverage_hand_trace():
+    routed = R.one_hot(np.array([[1, 2], [3, 4]]), 6)
+    pred = R.one_hot(np.array([[1, 5], [3, 4]]), 6)
+    resident = R.one_hot(np.array([[2, -1], [4, 5]]), 6)
+    # token 0: absent 1 routed and named (covered), 5 named not routed (wasted); token 1: 3
+    # covered, 4 resident already (no read)
+    assert R.coverage(pred, routed, resident) == (2, 2, 1)
+    assert R.recall(pred, routed) == 0.75
+
+
+def test_predictor_table_scores_the_stored_predictions():
+    routed = np.array([[[0, 1], [0, 1]], [[0, 1], [2, 3]], [[0, 1], [4, 5]], [[0, 1], [6, 7]]])
+    perfect = routed[2:, 1:, :]  # [tokens 2-3, layer 1, 2]
+    trace = R.RoutingTrace(
+        routed=routed,
+        layers=[0, 1],
+        num_experts=[8, 8],
+        tokens=np.arange(4),
+        predicted={"ridge": perfect, "gate": perfect[::-1]},
+        pred_layers=[1],
+        eval_from=2,
+    )
+    table = R.predictor_table(trace, [1], 0.25)
+    assert table["by_layer"] == {"window 1": [0.0], "ridge": [1.0], "gate": [0.0]}
+    rows = {(r["predictor"], r["set"]): r for r in table["rows"]}
+    assert rows[("ridge", "top 2")]["recall"] == 1.0 and rows[("gate", "top 2")]["recall"] == 0
+    assert rows[("ridge", "top 2")]["covered"] == 1.0  # every miss (all new experts) covered
+    # token 2 reads 6 and 7 for nothing; at token 3 its 4 and 5 are resident: nothing to read
+    assert rows[("gate", "top 2")]["wasted_per_token"] == 1.0
+    assert rows[("window 1", "union")]["recall"] == 0  # layer 1 never repeats itself
+    assert ("window 1", "top 2") not in rows  # a 1-token window names at most k: its union
+
+
+def test_skew():
+    uniform = R.skew(np.full(20, 5))
+    assert uniform == pytest.approx({"top10": 0.1, "entropy": 1.0, "gini": 0.0, "unused": 0})
+    one = R.skew(np.array([0, 0, 0, 9]))
+    assert one["top10"] == 1.0 and one["entropy"] == 0.0 and one["gini"] == pytest.approx(0.75)
+    assert one["unused"] == 3
+
+
+def _trace(tokens=50, layers=3, experts=64, k=8, seed=0):
+    rng = np.random.default_rng(seed)
+    routed = np.stack(
+        [[rng.choice(experts, k, replace=False) for _ in range(layers)] for _ in range(tokens)]
+    )
+    pred = np.stack(
+        [[rng.choice(experts, 2 * k, replace=False) for _ in range(layers - 1)] for _ in range(20)]
+    )
+    return R.RoutingTrace(
+        routed=routed,
+        layers=list(range(layers)),
+        num_experts=[experts] * layers,
+        tokens=np.arange(tokens),
+        predicted={"gate": pred, "ridge": pred[::-1]},
+        pred_layers=list(range(1, layers)),
+        eval_from=tokens - 20,
+        meta={"model": "m", "mode": "teacher-forced"},
+    )
+
+
+def test_trace_file_round_trip(tmp_path):
+    trace = _trace()
+    path = trace.save(tmp_path / "t")
+    assert path.suffix == ".npz" and path.exists()
+    with np.load(path) as z:
+        assert z["routed"].dtype == np.uint8 and z["pred_gate"].dtype == np.uint8
+    back = R.RoutingTrace.load(path)
+    assert (back.routed == trace.routed).all() and back.layers == trace.layers
+    assert back.num_experts == trace.num_experts and back.eval_from == trace.eval_from
+    assert back.pred_layers == trace.pred_layers and set(back.predicted) == {"gate", "ridge"}
+    assert all((back.predicted[n] == trace.predicted[n]).all() for n in trace.predicted)
+    assert (back.tokens == trace.tokens).all() and back.meta["model"] == "m"
+    big = _trace(experts=300, layers=2)
+    big.save(tmp_path / "big.npz")
+    assert (R.RoutingTrace.load(tmp_path / "big.npz").routed == big.routed).all()
+    np.savez(tmp_path / "other.npz", x=np.zeros(2))
+    with pytest.raises(ValueError, match="not a routing trace"):
+        R.RoutingTrace.load(tmp_path / "other.npz")
+    # the routing saved by the earlier version of the benchmark (JSON)
+    old = {
+        "model": "m",
+        "num_experts": {"0": 8, "2": 8},
+        "traces": {"0": [[1, 2], [3, 4]], "2": [[5, 6], [1, 2]]},
+        "gate_predicted": {"2": [[5, 7], [1, 0]]},
+    }
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    back = R.RoutingTrace.load(tmp_path / "old.json")
+    assert back.routed.shape == (2, 2, 2) and back.layers == [0, 2] and back.pred_layers == [2]
+    assert back.predicted["gate"].tolist() == [[[5, 7]], [[1, 0]]]
+
+
+def test_report_from_saved_traces(tmp_path):
+    path = _trace().save(tmp_path / "t.npz")
+    assert cp.main(["--traces", str(path), "--out", str(tmp_path), "--label", "x"]) == 0
+    (md,) = tmp_path.glob("*-x-routing.md")
+    text = md.read_text()
+    for heading in ("Expert popularity", "Reuse", "Predictors", "Eviction"):
+        assert heading in text
+    assert "| s3fifo |" in text and "| opt |" in text and "| 10% |" in text
+
+
+def test_recording_on_a_model(tiny_checkpoints, tmp_path):
+    _, packed = tiny_checkpoints["qwen3_moe"]
+    tokens = np.random.default_rng(0).integers(0, 500, 40)
+    text, dec = R.record_text(packed, tokens, context=16, fit_tokens=24, decode=5, prompt_tokens=8)
+    assert text.routed.shape == (40, 2, 4) and text.layers == [0, 1] and text.eval_from == 24
+    assert text.pred_layers == [1] and set(text.predicted) == {"gate", "ridge"}
+    for pred in text.predicted.values():
+        assert pred.shape == (16, 1, 8)  # tokens 24-39, layer 1, 2 x top-4
+        assert all(len(set(row)) == 8 for row in pred[:, 0])
+    assert (text.tokens == tokens).all() and text.meta["mode"] == "teacher-forced"
+    assert dec.routed.shape == (5, 2, 4) and dec.eval_from == 0
+    assert dec.predicted["ridge"].shape == (5, 1, 8)
+    # routing of the same token in the same context is the same, decoded or teacher-forced
+    again, _ = R.record_text(
+        packed, np.concatenate([tokens[:8], dec.tokens]), context=16, fit_tokens=4
+    )
+    assert (np.sort(again.routed[8:], -1) == np.sort(dec.routed, -1)).all()
+    with pytest.raises(ValueError, match="vocabulary"):
+        R.record_text(packed, np.array([0, 1, 10**6]), fit_tokens=1)
+    back = R.RoutingTrace.load(text.save(tmp_path / "t"))
+    assert (back.predicted["ridge"] == text.predicted["ridge"]).all()
+
+
+def test_text_sample_whole_or_per_document(tmp_path):
+    ids = np.arange(100, dtype=np.uint16)
+    np.save(tmp_path / "t.npy", ids)
+    docs = {"documents": {"start": [0, 10, 60], "tokens": [10, 50, 40]}}
+    (tmp_path / "t.json").write_text(json.dumps(docs))
+    tokens, what = cp.text_tokens(tmp_path / "t.npy", 5, 20, 0)
+    assert tokens.tolist() == list(range(5, 25)) and what == "t.npy[5:25]"
+    tokens, what = cp.text_tokens(tmp_path / "t.npy", 0, 35, 20)
+    assert tokens.tolist() == list(range(0, 10)) + list(range(10, 30)) + list(range(60, 65))
+    assert what == "t.npy: the first 20 tokens of documents 0-2"

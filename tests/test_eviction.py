@@ -7,7 +7,14 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import moeflux_mlx
-from moeflux_mlx.cache.policy import POLICIES, DecayPolicy, LFUDAPolicy, LFUPolicy, LRUPolicy
+from moeflux_mlx.cache.policy import (
+    POLICIES,
+    DecayPolicy,
+    LFUDAPolicy,
+    LFUPolicy,
+    LRUPolicy,
+    S3FIFOPolicy,
+)
 from moeflux_mlx.format.checkpoint import expert_layout
 from moeflux_mlx.options import EVICTIONS, LoadOptions
 
@@ -82,3 +89,52 @@ def test_a_call_never_evicts_its_own_hits(policy):
     trace = [[0]] * 6 + [[5]] + [[5, 6]]
     p, misses = _run(POLICIES[policy], trace, n_slots=2)
     assert misses[-1] == [6] and p.slot_of[5] >= 0 and p.slot_of[6] >= 0
+
+
+def test_s3fifo_a_scan_does_not_flush_the_experts_used_again():
+    # 0, 1, 2 are used in three calls, then eight experts once each (a scan), then 0, 1, 2 again
+    hot, scan = [[0, 1, 2]] * 3, [[e] for e in range(4, 12)]
+    trace = hot + scan + [[0, 1, 2]]
+    _, lru = _run(LRUPolicy, trace, n_slots=4, num_experts=16)
+    p, s3 = _run(S3FIFOPolicy, trace, n_slots=4, num_experts=16)
+    assert sum(map(len, lru)) == 3 + 8 + 3 and lru[-1] == [0, 1, 2]  # LRU lost them all
+    assert sum(map(len, s3)) == 3 + 8 and s3[-1] == []  # S3-FIFO kept them in its main queue
+    assert all(p.queue[p.slot_of[e]] == 2 for e in (0, 1, 2))
+    assert p.small_size == 1 and len(p.small) == 1 and len(p.main) == 3
+
+
+def test_s3fifo_an_expert_back_from_the_ghost_queue_goes_to_main():
+    # 5 enters the small queue, is dropped unused (to the ghost queue), then comes back
+    trace = [[0, 1]] * 3 + [[5]] + [[6]] + [[5]]
+    p, misses = _run(S3FIFOPolicy, trace, n_slots=3, num_experts=8)
+    assert misses[3:] == [[5], [6], [5]]
+    assert p.queue[p.slot_of[5]] == 2 and 5 not in p.ghost
+    assert p.slot_of[0] >= 0 and p.slot_of[1] >= 0  # the main queue's 0 and 1 stayed
+
+
+def test_s3fifo_release_frees_slots_in_either_queue():
+    # 0 and 1 reach the main queue (used again while in S), 2 stays in S
+    p, _ = _run(S3FIFOPolicy, [[0, 1]] * 2 + [[2, 3]] + [[4]], n_slots=4)
+    assert p.queue[p.slot_of[0]] == 2 and p.queue[p.slot_of[4]] == 1
+    freed = sorted(p.slot_of[[0, 4]].tolist())
+    p.release(np.array([0, 4]))
+    assert p.slot_of[0] < 0 and p.slot_of[4] < 0 and (p.queue > 0).sum() == 2
+    assert freed[0] not in p.main and freed[1] not in p.small
+    missing, victims = p.admit(np.array([5, 6]), 9)  # the freed slots, no eviction
+    p.assign(missing, victims, 9)
+    assert sorted(victims.tolist()) == freed and p.slot_of[1] >= 0
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("n_slots,k", [(4, 4), (5, 4), (8, 2), (16, 8)])
+def test_no_policy_evicts_what_the_call_needs_on_random_traces(policy, n_slots, k):
+    # _run checks after every call that all its experts are resident in distinct slots, within
+    # the budget; a hit freed for a miss of the same call would fail it
+    rng = np.random.default_rng(n_slots * 31 + k)
+    hot = rng.choice(32, 12, replace=False)
+    trace = [
+        sorted(rng.choice(hot if rng.random() < 0.6 else 32, k, replace=False).tolist())
+        for _ in range(300)
+    ]
+    p, misses = _run(POLICIES[policy], trace, n_slots=n_slots, num_experts=32)
+    assert 0 < sum(map(len, misses)) < 300 * k

@@ -7,8 +7,12 @@ used (``touch``) and which to free (``victims``). ``POLICIES`` names them (``Loa
 .eviction``): ``lru`` evicts the least recently used; ``lfu`` the least frequently used (use counts
 kept across evictions); ``lfuda`` LFU with dynamic aging (an expert's priority is its count plus
 the priority of the last one evicted, so old fame fades); ``decay`` the lowest exponentially
-decayed use count. Ties go to the least recently used. The device-side table's miss server keeps
-LRU (its GPU records last uses only).
+decayed use count; ``s3fifo`` S3-FIFO, scan-resistant (``S3FIFOPolicy``). Ties go to the least
+recently used. The device-side table's miss server keeps LRU (its GPU records last uses only).
+
+Every policy frees only slots the call being admitted does not use: ``admit`` marks the call's
+hits used at its tick (``now``) before it asks for victims, and no policy picks a slot used at
+``now``.
 
 With the device-side table, ``slot_of`` is a view into the shared control block
 (``cuda.control_block``), read by the GPU, and the LRU's ``device_last`` another, where the GPU
@@ -19,7 +23,8 @@ the two.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from collections import OrderedDict, deque
+from typing import Deque, Optional, Tuple
 
 import numpy as np
 
@@ -204,4 +209,107 @@ class DecayPolicy(_CountingPolicy):
         return self.count[experts] * 0.5 ** ((tick - self.at[experts]) / self.half_life)
 
 
-POLICIES = {p.name: p for p in (LRUPolicy, LFUPolicy, LFUDAPolicy, DecayPolicy)}
+class S3FIFOPolicy(LRUPolicy):
+    """S3-FIFO (Yang et al., SOSP 2023): a small FIFO queue for newcomers, a main FIFO queue for
+    experts used again, and a ghost queue of experts recently dropped from the small one.
+
+    A missed expert enters the small queue ``S`` (a tenth of the slots), or the main queue ``M``
+    if it is still in the ghost queue ``G`` (it was dropped from ``S`` recently, so it is coming
+    back). A hit only raises the slot's use count (at most 3). To free a slot: while ``S`` holds
+    its share, its oldest entry moves to ``M`` if it was used again since it came in, else it
+    leaves and its expert joins ``G``; otherwise ``M``'s oldest entry goes around again with its
+    count lowered by one if it was used, else it leaves.
+
+    Why S3-FIFO and not ARC: both keep a burst of experts used once (a scan: a prompt's
+    prefill, an unusual token) from flushing the experts used again and again, since newcomers
+    must prove themselves in a small queue before they can displace the main one. S3-FIFO does it
+    with FIFO queues and a 2-bit count per slot that a hit only increments, while ARC moves an
+    entry between LRU lists on every hit; the device-side table's GPU could bump such a count the
+    way it records last uses now, and the host would keep the queues. It has one fixed setting
+    (the small queue's share) where ARC adapts a target size from its ghost hits, which a layer's
+    few slots and short bursts would leave noisy. (It keeps LRU's last uses only to know which
+    slots the call being admitted uses.)
+
+    Slots used by the call being admitted are never freed: in ``S`` they move to ``M`` (they are
+    being used again), in ``M`` they go around without losing their count."""
+
+    name = "s3fifo"
+    small_share = 0.1  # of the slots: the small queue's share (the paper's 10%)
+    max_count = 3  # a 2-bit use count
+
+    def __init__(
+        self,
+        num_experts: int,
+        n_slots: int,
+        slot_of: Optional[np.ndarray] = None,
+        device_last: Optional[np.ndarray] = None,
+    ):
+        super().__init__(num_experts, n_slots, slot_of, device_last)
+        self.small: Deque[int] = deque()  # slots, oldest first
+        self.main: Deque[int] = deque()
+        self.ghost: OrderedDict[int, None] = OrderedDict()  # experts, oldest first
+        self.queue = np.zeros(n_slots, np.int8)  # slot -> 0 free, 1 small, 2 main
+        self.uses = np.zeros(n_slots, np.int8)  # slot -> uses since it came in, capped
+        self.small_size = max(1, int(round(self.small_share * n_slots)))
+        self.ghost_size = max(1, n_slots - self.small_size)  # as many as the main queue holds
+
+    def touch(self, slots: np.ndarray, tick: int) -> None:
+        super().touch(slots, tick)
+        for s in slots.tolist():
+            if self.queue[s]:  # a hit
+                self.uses[s] = min(self.uses[s] + 1, self.max_count)
+                continue
+            expert = int(self.expert_in[s])  # just assigned: a newcomer
+            self.uses[s] = 0
+            if expert in self.ghost:
+                del self.ghost[expert]
+                self.main.append(s)
+                self.queue[s] = 2
+            else:
+                self.small.append(s)
+                self.queue[s] = 1
+
+    def victims(self, n: int) -> np.ndarray:
+        out = np.flatnonzero(self.queue == 0)[:n].tolist()  # free slots first
+        while len(out) < n:
+            out.append(self._evict_one())
+        return np.array(out, np.int64)
+
+    def _evict_one(self) -> int:
+        """Take one slot out of the queues (S3-FIFO's eviction); the caller frees it."""
+        # A slot of this call is never taken; enough others exist (the call fits the slots), and
+        # each pass lowers a count or drains S, so this ends.
+        while True:
+            if self.small and (len(self.small) >= self.small_size or not self.main):
+                s = self.small.popleft()
+                if self.uses[s] > 0 or self.last_used[s] == self.now:
+                    self.main.append(s)  # used again while in S: promoted
+                    self.queue[s] = 2
+                    continue
+                self.ghost[int(self.expert_in[s])] = None
+                while len(self.ghost) > self.ghost_size:
+                    self.ghost.popitem(last=False)
+            else:
+                s = self.main.popleft()
+                if self.last_used[s] == self.now:
+                    self.main.append(s)
+                    continue
+                if self.uses[s] > 0:
+                    self.uses[s] -= 1
+                    self.main.append(s)
+                    continue
+            self.queue[s] = 0
+            return s
+
+    def forget(self, slots: np.ndarray) -> None:
+        super().forget(slots)
+        for s in slots.tolist():
+            if self.queue[s] == 1:
+                self.small.remove(s)
+            elif self.queue[s] == 2:
+                self.main.remove(s)
+            self.queue[s] = 0
+            self.uses[s] = 0
+
+
+POLICIES = {p.name: p for p in (LRUPolicy, LFUPolicy, LFUDAPolicy, DecayPolicy, S3FIFOPolicy)}

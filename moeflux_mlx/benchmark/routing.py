@@ -1,0 +1,987 @@
+"""Routing traces and what they say about caching and prefetching experts
+(``benchmarks/cache_policy.py``, docs/routing.md).
+
+A ``RoutingTrace`` holds the experts every MoE layer routed each token to (``[tokens, layers,
+top_k]``), recorded from any model ``moeflux_mlx.load`` opens (``record_text``: forward passes over a
+text, teacher-forced, and optionally a greedy decode), beside two predictions of the next
+MoE layer's experts made at the same time: its router applied to this layer's MoE input (the
+next-layer gate, what ``prefetch=True`` reads) and a ridge map fitted to the model's own routing
+(``model.predict.RidgeRouterMap``, fitted on the first ``fit_tokens`` tokens, predicting the
+rest). Hidden states are never stored: a trace is a few hundred kB (``save`` / ``load``).
+
+From a trace, with numpy only:
+
+- ``replay``: one layer's routing through the package's own eviction policies
+  (``cache.policy.POLICIES``, exactly as ``BudgetCache`` calls them), plus ``BeladyPolicy``
+  (the offline optimum, an upper bound) and ``RandomPolicy``: misses per token.
+- ``window_scores`` / ``recall`` / ``coverage``: how many routed experts a predictor names, and
+  through an LRU cache how many misses its reads ahead would cover and how many reads it wastes.
+- ``skew``: how unevenly the experts are used (top-10% share, normalized entropy, Gini).
+- ``analyze`` / ``format_report``: all of it, as the benchmark prints it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generate_step
+
+from ..cache.policy import POLICIES, DecayPolicy, EvictionPolicy, LRUPolicy
+from ..model.load import load
+from ..model.predict import RidgeRouterMap, next_gates, router_scores, top_experts
+from ..model.switch import StreamingSwitchGLU
+
+TRACE_VERSION = 1
+PREDICTORS = ("gate", "ridge")  # the stored predictions, in ``RoutingTrace.predicted``
+
+
+# ---------------------------------------------------------------------------------- the trace
+
+
+@dataclass
+class RoutingTrace:
+    """The routed experts of every MoE layer for every token of one recording.
+
+    Attributes:
+        routed: ``[tokens, layers, top_k]`` expert indices.
+        layers: the MoE layers' decoder-layer indices, in order (``routed``'s axis 1).
+        num_experts: experts per MoE layer (same order).
+        tokens: the input token id at each position (``[tokens]``; -1 where unknown).
+        predicted: name -> ``[tokens - eval_from, len(pred_layers), m]`` ranked predictions
+            (best first) of ``pred_layers``' experts for tokens ``eval_from`` onwards.
+        pred_layers: the layers predicted (each from the MoE layer before it).
+        eval_from: the first token not used to fit a predictor; predictors are compared on the
+            tokens from here on.
+        meta: how it was recorded (model, text, mode, context, ridge alpha, ...).
+    """
+
+    routed: np.ndarray
+    layers: List[int]
+    num_experts: List[int]
+    tokens: np.ndarray
+    predicted: Dict[str, np.ndarray] = field(default_factory=dict)
+    pred_layers: List[int] = field(default_factory=list)
+    eval_from: int = 0
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def top_k(self) -> int:
+        return int(self.routed.shape[2])
+
+    def layer(self, layer: int) -> np.ndarray:
+        """One MoE layer's routing.
+
+        Args:
+            layer: its decoder-layer index (one of ``layers``).
+
+        Returns:
+            ``[tokens, top_k]`` routed experts.
+
+        Raises:
+            ValueError: the trace has no such layer.
+        """
+        return self.routed[:, self.layers.index(layer)]
+
+    def save(self, path: Union[str, Path]) -> Path:
+        """Write the trace as a compressed ``.npz`` (experts as uint8 where they fit).
+
+        Args:
+            path: the file (``.npz`` is appended by numpy if missing).
+
+        Returns:
+            The path written.
+        """
+        small = max(self.num_experts) <= 256
+        dtype = np.uint8 if small else np.uint16
+        arrays = {
+            "routed": self.routed.astype(dtype),
+            "layers": np.array(self.layers, np.int32),
+            "num_experts": np.array(self.num_experts, np.int32),
+            "tokens": self.tokens.astype(np.int32),
+            "pred_layers": np.array(self.pred_layers, np.int32),
+            "eval_from": np.array(self.eval_from, np.int64),
+            "meta": np.array(json.dumps({**self.meta, "trace_version": TRACE_VERSION})),
+        }
+        for name, pred in self.predicted.items():
+            arrays[f"pred_{name}"] = pred.astype(dtype)
+        path = Path(path)
+        np.savez_compressed(path, **arrays)
+        return path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> RoutingTrace:
+        """Read a trace written by ``save``, or the routing saved in an older
+        ``*-cache-policy.json`` result (decode traces, and the next-layer gate's top-k).
+
+        Args:
+            path: a ``.npz`` or ``.json`` file.
+
+        Returns:
+            The trace.
+
+        Raises:
+            ValueError: the file holds no routing trace, or one of another version.
+        """
+        path = Path(path)
+        if path.suffix == ".json":
+            return cls._from_json(json.loads(path.read_text()), path)
+        with np.load(path, allow_pickle=False) as z:
+            if "routed" not in z.files:
+                raise ValueError(f"{path}: not a routing trace (no 'routed' array)")
+            meta = json.loads(str(z["meta"]))
+            if meta.get("trace_version") != TRACE_VERSION:
+                raise ValueError(f"{path}: trace version {meta.get('trace_version')!r}")
+            predicted = {
+                f[len("pred_") :]: z[f].astype(np.int64)
+                for f in z.files
+                if f.startswith("pred_") and f != "pred_layers"
+            }
+            return cls(
+                routed=z["routed"].astype(np.int64),
+                layers=z["layers"].tolist(),
+                num_experts=z["num_experts"].tolist(),
+                tokens=z["tokens"].astype(np.int64),
+                predicted=predicted,
+                pred_layers=z["pred_layers"].tolist(),
+                eval_from=int(z["eval_from"]),
+                meta=meta,
+            )
+
+    @classmethod
+    def _from_json(cls, saved: dict, path: Path) -> RoutingTrace:
+        if "traces" not in saved:
+            raise ValueError(f"{path}: no 'traces' in this result file")
+        layers = sorted(int(k) for k in saved["traces"])
+        routed = np.stack([np.array(saved["traces"][str(i)], np.int64) for i in layers], axis=1)
+        gate = saved.get("gate_predicted", {})
+        pred_layers = [i for i in layers if str(i) in gate]
+        predicted = {}
+        if pred_layers:
+            predicted["gate"] = np.stack(
+                [np.array(gate[str(i)], np.int64) for i in pred_layers], axis=1
+            )
+        return cls(
+            routed=routed,
+            layers=layers,
+            num_experts=[int(saved["num_experts"][str(i)]) for i in layers],
+            tokens=np.full(routed.shape[0], -1, np.int64),
+            predicted=predicted,
+            pred_layers=pred_layers,
+            meta={"model": saved.get("model"), "mode": "decode", "source": str(path)},
+        )
+
+
+# ------------------------------------------------------------------------ replay of policies
+
+
+class BeladyPolicy(LRUPolicy):
+    """Belady's offline optimum: free the resident experts whose next use is farthest away.
+    It reads the future, so it is a bound for the online policies, not one of them.
+
+    Args:
+        num_experts, n_slots: as every policy.
+        trace: ``[calls, k]`` the layer's routed experts; call ``t`` is admitted at tick
+            ``t + 1`` (as ``replay`` does).
+    """
+
+    name = "opt"
+
+    def __init__(self, num_experts: int, n_slots: int, trace: np.ndarray):
+        super().__init__(num_experts, n_slots)
+        calls = len(trace)
+        # next_use[t, e]: the first tick after tick t at which e is used (calls + 1: never)
+        self.next_use = np.full((calls + 2, num_experts), calls + 1, np.int64)
+        for t in range(calls, 0, -1):
+            self.next_use[t - 1] = self.next_use[t]
+            self.next_use[t - 1, trace[t - 1]] = t
+
+    def victims(self, n: int) -> np.ndarray:
+        resident = self.expert_in >= 0
+        far = np.full(self.expert_in.size, np.iinfo(np.int64).max)  # free slots first
+        far[resident] = -self.next_use[self.now, self.expert_in[resident]]
+        far[self.last_used == self.now] = np.iinfo(np.int64).max - 1  # this call's stay
+        far[~resident] = np.iinfo(np.int64).min
+        return np.argsort(far, kind="stable")[:n]
+
+
+class RandomPolicy(LRUPolicy):
+    """Free slots first, then random slots this call does not use (a floor for the others)."""
+
+    name = "random"
+
+    def __init__(self, num_experts: int, n_slots: int, seed: int = 0):
+        super().__init__(num_experts, n_slots)
+        self.rng = np.random.default_rng(seed)
+
+    def victims(self, n: int) -> np.ndarray:
+        free = np.flatnonzero(self.expert_in < 0)[:n]
+        if free.size == n:
+            return free
+        others = np.flatnonzero((self.expert_in >= 0) & (self.last_used != self.now))
+        return np.concatenate([free, self.rng.choice(others, n - free.size, replace=False)])
+
+
+PolicyFactory = Callable[[int, int, np.ndarray], EvictionPolicy]
+
+
+def policy_factories(half_lives: Sequence[float] = (8.0,)) -> Dict[str, PolicyFactory]:
+    """The replayed policies by column name: every one of ``cache.policy.POLICIES`` (``decay``
+    once per half-life, named ``decay H``), ``random`` and ``opt`` (Belady).
+
+    Args:
+        half_lives: the decay policy's half-lives, in tokens.
+
+    Returns:
+        name -> ``factory(num_experts, n_slots, trace)``.
+    """
+    out: Dict[str, PolicyFactory] = {}
+    for name, cls in POLICIES.items():
+        if cls is DecayPolicy:
+            for h in half_lives:
+                sub = type(f"Decay{h:g}", (DecayPolicy,), {"half_life": float(h)})
+                out[f"decay {h:g}"] = lambda e, s, t, sub=sub: sub(e, s)
+        else:
+            out[name] = lambda e, s, t, cls=cls: cls(e, s)
+    out["random"] = lambda e, s, t: RandomPolicy(e, s)
+    out["opt"] = lambda e, s, t: BeladyPolicy(e, s, t)
+    return out
+
+
+def replay(
+    trace: np.ndarray, num_experts: int, n_slots: int, policy: EvictionPolicy
+) -> Iterator[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Drive ``policy`` through one layer's trace as ``BudgetCache`` does: one call per token,
+    ticks counted from 1, ``admit`` then ``assign``.
+
+    Args:
+        trace: ``[tokens, k]`` routed experts.
+        num_experts: the layer's experts (for the resident mask).
+        n_slots: the policy's slots (at least ``k``).
+        policy: a fresh policy of ``num_experts`` x ``n_slots``.
+
+    Yields:
+        ``(experts, missing, resident_before)`` per token: its unique experts, those it missed,
+        and the ``[num_experts]`` mask of experts resident before it.
+
+    Raises:
+        ValueError: a token routes to more experts than there are slots.
+    """
+    for tick, row in enumerate(trace, start=1):
+        experts = np.unique(row)
+        if experts.size > n_slots:
+            raise ValueError(
+                f"token {tick - 1} routes to {experts.size} experts, more than {n_slots} slots"
+            )
+        resident = policy.slot_of[:num_experts] >= 0
+        missing, victims = policy.admit(experts, tick)
+        policy.assign(missing, victims, tick)
+        yield experts, missing, resident
+
+
+def misses(trace: np.ndarray, num_experts: int, n_slots: int, factory: PolicyFactory) -> int:
+    """Misses of one layer's trace through ``n_slots`` slots under one policy (see ``replay``).
+
+    Args:
+        trace: ``[tokens, k]`` routed experts.
+        num_experts: the layer's experts.
+        n_slots: slots.
+        factory: from ``policy_factories``.
+
+    Returns:
+        The number of experts read.
+    """
+    policy = factory(num_experts, n_slots, trace)
+    return sum(m.size for _, m, _ in replay(trace, num_experts, n_slots, policy))
+
+
+def budget_slots(frac: float, num_experts: int, top_k: int) -> int:
+    """Slots for a budget fraction: ``round(frac * experts)``, at least ``top_k`` (a token's
+    experts must all be resident at once; the cache stages larger calls uncached).
+
+    Args:
+        frac: the budget, a fraction of the layer's experts.
+        num_experts: the layer's experts.
+        top_k: experts per token.
+
+    Returns:
+        The number of slots, at most ``num_experts``.
+    """
+    return min(num_experts, max(top_k, int(round(frac * num_experts))))
+
+
+def replay_table(
+    trace: RoutingTrace, budgets: Sequence[float], half_lives: Sequence[float] = (8.0,)
+) -> dict:
+    """Misses per token (every MoE layer's summed) per policy and budget, over the whole trace
+    from a cold cache.
+
+    Args:
+        trace: the recording.
+        budgets: fractions of each layer's experts.
+        half_lives: the decay policy's half-lives.
+
+    Returns:
+        ``{"columns": [...], "rows": [{"budget", "slots", name: misses per token, ...}]}``.
+    """
+    factories = policy_factories(half_lives)
+    tokens = trace.routed.shape[0]
+    rows = []
+    for frac in budgets:
+        slots = [budget_slots(frac, e, trace.top_k) for e in trace.num_experts]
+        row: dict = {"budget": frac, "slots": slots}
+        for name, factory in factories.items():
+            total = sum(
+                misses(trace.routed[:, i], e, s, factory)
+                for i, (e, s) in enumerate(zip(trace.num_experts, slots))
+            )
+            row[name] = total / max(tokens, 1)
+        rows.append(row)
+    return {"columns": list(factories), "rows": rows, "tokens": tokens}
+
+
+# --------------------------------------------------------------------- predictors and recall
+
+
+def one_hot(experts: np.ndarray, num_experts: int) -> np.ndarray:
+    """Sets of experts as masks.
+
+    Args:
+        experts: ``[tokens, k]`` expert indices (-1: none).
+        num_experts: the layer's experts.
+
+    Returns:
+        ``[tokens, num_experts]`` bool.
+    """
+    out = np.zeros((experts.shape[0], num_experts + 1), bool)
+    np.put_along_axis(out, np.where(experts < 0, num_experts, experts), True, axis=1)
+    return out[:, :num_experts]
+
+
+def window_scores(routed: np.ndarray, num_experts: int, n: int) -> np.ndarray:
+    """Rank the experts of the last ``n`` tokens, for every token: by how often they were used
+    in that window, ties by how recently.
+
+    Args:
+        routed: ``[tokens, k]`` one layer's routed experts.
+        num_experts: the layer's experts.
+        n: the window (1: the previous token).
+
+    Returns:
+        ``[tokens, num_experts]`` scores; -inf for the experts the window did not use (the
+        first token's window is empty).
+    """
+    hot = one_hot(routed, num_experts).astype(np.int64)
+    tokens = hot.shape[0]
+    csum = np.concatenate([np.zeros((1, num_experts), np.int64), np.cumsum(hot, axis=0)])
+    t = np.arange(tokens)
+    count = csum[t] - csum[np.maximum(t - n, 0)]  # uses in tokens [t - n, t)
+    # the last token before t that used each expert (-1: none)
+    seen = np.where(hot.astype(bool), t[:, None], -1)
+    last = np.maximum.accumulate(seen, axis=0)
+    last_before = np.vstack([np.full((1, num_experts), -1), last[:-1]])
+    score = count + (last_before + 1) / (tokens + 1.0)  # the recency term is < 1
+    return np.where(count > 0, score, -np.inf)
+
+
+def rank_scores(pred: np.ndarray, num_experts: int) -> np.ndarray:
+    """Scores that rank experts as a stored prediction does.
+
+    Args:
+        pred: ``[tokens, m]`` ranked predictions, best first.
+        num_experts: the layer's experts.
+
+    Returns:
+        ``[tokens, num_experts]``: ``m`` for the first, down to 1 for the last, -inf elsewhere.
+    """
+    m = pred.shape[1]
+    score = np.full((pred.shape[0], num_experts), -np.inf)
+    np.put_along_axis(score, pred, np.arange(m, 0, -1, dtype=np.float64)[None, :], axis=1)
+    return score
+
+
+def top_mask(score: np.ndarray, m: Optional[int]) -> np.ndarray:
+    """The set a predictor names: its ``m`` best-scored experts per token (``None``: every
+    expert with a finite score); never one with score -inf.
+
+    Args:
+        score: ``[tokens, experts]``.
+        m: the set's size, or None.
+
+    Returns:
+        ``[tokens, experts]`` bool.
+    """
+    finite = np.isfinite(score)
+    if m is None or m >= score.shape[1]:
+        return finite
+    part = np.argpartition(-score, m - 1, axis=1)[:, :m]
+    out = np.zeros(score.shape, bool)
+    np.put_along_axis(out, part, True, axis=1)
+    return out & finite
+
+
+def recall(pred: np.ndarray, routed: np.ndarray) -> float:
+    """Share of the routed experts the predictor named.
+
+    Args:
+        pred: ``[tokens, experts]`` bool, the named sets.
+        routed: ``[tokens, experts]`` bool, the routed sets.
+
+    Returns:
+        sum |pred & routed| / sum |routed| (0 for an empty trace).
+    """
+    total = int(routed.sum())
+    return float((pred & routed).sum()) / total if total else 0.0
+
+
+def coverage(pred: np.ndarray, routed: np.ndarray, resident: np.ndarray) -> Tuple[int, int, int]:
+    """What reading a predictor's sets ahead would do beside a cache: of the experts it names
+    that are absent (``~resident``), those the token then routes to are misses covered, the
+    others wasted reads. (A prefetch reads into buffers of its own: the cache evolves as
+    without it.)
+
+    Args:
+        pred: ``[tokens, experts]`` bool, the named sets.
+        routed: ``[tokens, experts]`` bool, the routed sets.
+        resident: ``[tokens, experts]`` bool, the cache's experts before each token.
+
+    Returns:
+        ``(misses, covered, wasted)`` summed over the tokens.
+    """
+    absent = ~resident
+    ahead = pred & absent
+    return (
+        int((routed & absent).sum()),
+        int((ahead & routed).sum()),
+        int((ahead & ~routed).sum()),
+    )
+
+
+def lru_resident(routed: np.ndarray, num_experts: int, n_slots: int) -> np.ndarray:
+    """The experts resident before each token in the package's LRU.
+
+    Args:
+        routed: ``[tokens, k]`` one layer's routed experts.
+        num_experts: the layer's experts.
+        n_slots: the cache's slots.
+
+    Returns:
+        ``[tokens, num_experts]`` bool.
+    """
+    policy = LRUPolicy(num_experts, n_slots)
+    return np.stack([r for _, _, r in replay(routed, num_experts, n_slots, policy)])
+
+
+def predictor_scores(
+    trace: RoutingTrace, windows: Sequence[int]
+) -> Dict[str, List[Optional[np.ndarray]]]:
+    """Each predictor's scores for each predicted layer, over the tokens from ``eval_from``:
+    ``window N`` (the same layer's last N tokens), and the stored predictions (``gate``,
+    ``ridge``) of the next layer from the one before.
+
+    Args:
+        trace: the recording.
+        windows: the window sizes.
+
+    Returns:
+        name -> per layer of ``trace.pred_layers`` (or every layer after the first, where the
+        trace has no predictions) a ``[tokens - eval_from, experts]`` score array (None where
+        that predictor has nothing for that layer).
+    """
+    layers = trace.pred_layers or trace.layers[1:]
+    out: Dict[str, List[Optional[np.ndarray]]] = {}
+    for n in windows:
+        out[f"window {n}"] = [
+            window_scores(trace.layer(i), _experts(trace, i), n)[trace.eval_from :] for i in layers
+        ]
+    for name, pred in trace.predicted.items():
+        out[name] = [
+            rank_scores(pred[:, j], _experts(trace, i)) if i in trace.pred_layers else None
+            for j, i in enumerate(layers)
+        ]
+    return out
+
+
+def _experts(trace: RoutingTrace, layer: int) -> int:
+    return trace.num_experts[trace.layers.index(layer)]
+
+
+def predictor_table(trace: RoutingTrace, windows: Sequence[int], budget: float) -> dict:
+    """Recall of every predictor at ``top_k`` and ``2 * top_k`` experts (and of each window's
+    whole union), and through the package's LRU at ``budget`` the
+    misses its reads ahead cover and the reads it wastes, per token (every predicted layer's
+    summed). Over the predicted layers and the tokens from ``eval_from``.
+
+    Args:
+        trace: the recording.
+        windows: window sizes (``window N`` predictors; window 1 is the previous token).
+        budget: the LRU cache's fraction of each layer's experts.
+
+    Returns:
+        ``{"layers", "tokens", "misses_per_token", "rows": [{"predictor", "set", "size",
+        "recall", "covered", "wasted_per_token"}], "by_layer": {predictor: [recall@top_k per
+        layer]}}``; ``size`` is the mean set size per layer and token; ``by_layer`` for the
+        stored predictions and window 1 (the previous token).
+    """
+    layers = trace.pred_layers or trace.layers[1:]
+    scores = predictor_scores(trace, windows)
+    k = trace.top_k
+    routed, resident = [], []
+    for i in layers:
+        e = _experts(trace, i)
+        r = trace.layer(i)
+        routed.append(one_hot(r, e)[trace.eval_from :])
+        resident.append(lru_resident(r, e, budget_slots(budget, e, k))[trace.eval_from :])
+    tokens = routed[0].shape[0] if routed else 0
+    misses = sum(int((r & ~s).sum()) for r, s in zip(routed, resident))
+    rows = []
+    for name, per_layer in scores.items():
+        if any(s is None for s in per_layer):
+            continue
+        sizes: List[Tuple[str, Optional[int]]] = [(f"top {k}", k), (f"top {2 * k}", 2 * k)]
+        if name.startswith("window "):
+            n = int(name.split()[1])
+            # a window of n tokens names at most n * k experts: larger sets are its union
+            sizes = [(lab, m) for lab, m in sizes if m is None or m < n * k] + [("union", None)]
+        for label, m in sizes:
+            masks = [top_mask(s, m) for s in per_layer if s is not None]
+            named = sum(int(p.sum()) for p in masks)
+            hit = sum(int((p & r).sum()) for p, r in zip(masks, routed))
+            cov = [coverage(p, r, s) for p, r, s in zip(masks, routed, resident)]
+            rows.append(
+                {
+                    "predictor": name,
+                    "set": label,
+                    "size": named / max(tokens * len(layers), 1),
+                    "recall": hit / max(sum(int(r.sum()) for r in routed), 1),
+                    "covered": sum(c[1] for c in cov) / max(misses, 1),
+                    "wasted_per_token": sum(c[2] for c in cov) / max(tokens, 1),
+                }
+            )
+    by_layer = {
+        name: [recall(top_mask(sc, k), r) for sc, r in zip(per_layer, routed) if sc is not None]
+        for name, per_layer in scores.items()
+        if name == "window 1" or not name.startswith("window ")
+    }
+    return {
+        "layers": layers,
+        "tokens": tokens,
+        "budget": budget,
+        "misses_per_token": misses / max(tokens, 1),
+        "rows": rows,
+        "by_layer": {n: v for n, v in by_layer.items() if len(v) == len(layers)},
+    }
+
+
+def reuse_table(trace: RoutingTrace, windows: Sequence[int]) -> List[dict]:
+    """Reuse: the share of each token's routed experts that the same layer used in the last N
+    tokens, and how many distinct experts those N tokens used (mean per layer), over every MoE
+    layer and the tokens from ``max(windows)`` on (whole windows only).
+
+    Args:
+        trace: the recording.
+        windows: the window sizes.
+
+    Returns:
+        ``[{"window", "reuse", "distinct", "distinct_share"}]``.
+    """
+    start = min(max(windows), max(trace.routed.shape[0] - 1, 0))
+    out = []
+    for n in windows:
+        hit = total = distinct = 0
+        share = 0.0
+        for i, e in zip(trace.layers, trace.num_experts):
+            r = trace.layer(i)
+            hot = one_hot(r, e)[start:]
+            named = np.isfinite(window_scores(r, e, n))[start:]
+            hit += int((named & hot).sum())
+            total += int(hot.sum())
+            distinct += int(named.sum())
+            share += named.sum() / max(named.shape[0] * e, 1)
+        rows = (trace.routed.shape[0] - start) * len(trace.layers)
+        out.append(
+            {
+                "window": n,
+                "reuse": hit / max(total, 1),
+                "distinct": distinct / max(rows, 1),
+                "distinct_share": share / max(len(trace.layers), 1),
+            }
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------- skew
+
+
+def skew(counts: np.ndarray) -> dict:
+    """How unevenly one layer's experts are used.
+
+    Args:
+        counts: ``[experts]`` routings per expert.
+
+    Returns:
+        ``top10``: share of the routings taken by the most used 10% of the experts (at least
+        one); ``entropy``: the entropy of the usage distribution over log(experts) (1: uniform);
+        ``gini``: the Gini coefficient of the counts (0: uniform, towards 1: one expert);
+        ``unused``: experts never routed to.
+    """
+    c = np.sort(np.asarray(counts, np.float64))[::-1]
+    n, total = c.size, c.sum()
+    if not total:
+        return {"top10": 0.0, "entropy": 0.0, "gini": 0.0, "unused": n}
+    p = c / total
+    nz = p[p > 0]
+    top = max(1, int(np.ceil(0.1 * n)))
+    ascending = c[::-1]
+    gini = float((2 * np.arange(1, n + 1) - n - 1) @ ascending / (n * total))
+    return {
+        "top10": float(c[:top].sum() / total),
+        "entropy": float(-(nz * np.log(nz)).sum() / np.log(n)) if n > 1 else 1.0,
+        "gini": gini,
+        "unused": int((c == 0).sum()),
+    }
+
+
+def skew_table(trace: RoutingTrace) -> dict:
+    """``skew`` per MoE layer, and its mean, min and max over the layers.
+
+    Args:
+        trace: the recording.
+
+    Returns:
+        ``{"per_layer": {layer: skew}, "mean": ..., "min": ..., "max": ...}``.
+    """
+    per = {
+        i: skew(np.bincount(trace.layer(i).ravel(), minlength=e))
+        for i, e in zip(trace.layers, trace.num_experts)
+    }
+    keys = ("top10", "entropy", "gini", "unused")
+    vals = {k: np.array([s[k] for s in per.values()], np.float64) for k in keys}
+    return {
+        "per_layer": per,
+        "mean": {k: float(v.mean()) for k, v in vals.items()},
+        "min": {k: float(v.min()) for k, v in vals.items()},
+        "max": {k: float(v.max()) for k, v in vals.items()},
+    }
+
+
+# ------------------------------------------------------------------------------- the report
+
+
+def analyze(
+    trace: RoutingTrace,
+    budgets: Sequence[float] = (0.1, 0.25, 0.5),
+    half_lives: Sequence[float] = (8.0,),
+    windows: Sequence[int] = (1, 2, 4, 8, 12, 16),
+    prefetch_budget: float = 0.25,
+    predictor_windows: Sequence[int] = (1, 2, 4, 8, 16),
+) -> dict:
+    """Everything the benchmark reports about one trace.
+
+    Args:
+        trace: the recording.
+        budgets: replay budgets (fractions of each layer's experts).
+        half_lives: the decay policy's half-lives.
+        windows: window sizes for reuse.
+        prefetch_budget: the LRU cache the predictors' reads ahead are measured beside.
+        predictor_windows: window sizes for the window predictors.
+
+    Returns:
+        ``{"meta", "shape", "skew", "reuse", "predictors", "replay"}``.
+    """
+    return {
+        "meta": trace.meta,
+        "shape": {
+            "tokens": int(trace.routed.shape[0]),
+            "layers": trace.layers,
+            "num_experts": trace.num_experts,
+            "top_k": trace.top_k,
+            "eval_from": trace.eval_from,
+        },
+        "skew": skew_table(trace),
+        "reuse": reuse_table(trace, windows),
+        "predictors": predictor_table(trace, predictor_windows, prefetch_budget),
+        "replay": replay_table(trace, budgets, half_lives),
+    }
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def format_report(result: dict) -> str:
+    """Markdown tables of ``analyze``'s result.
+
+    Args:
+        result: ``analyze``'s dict (or the same read back from JSON).
+
+    Returns:
+        The tables, with a line of context above each.
+    """
+    shape, meta = result["shape"], result["meta"]
+    k = shape["top_k"]
+    experts = sorted(set(shape["num_experts"]))
+    lines = [
+        f"{meta.get('mode', '?')} trace of {meta.get('model', '?')}: {shape['tokens']} tokens, "
+        f"{len(shape['layers'])} MoE layers, {'/'.join(map(str, experts))} experts, top-{k}"
+        + (
+            f"; prompt: the first {meta['prompt_tokens']} tokens of {meta.get('source', '?')}"
+            if "prompt_tokens" in meta
+            else f"; text: {meta['source']}"
+            if meta.get("source")
+            else ""
+        )
+        + ".",
+        "",
+        "### Expert popularity (per layer: mean, min-max)",
+        "",
+        "| top 10% of experts' share | normalized entropy | Gini | experts never used |",
+        "|---|---|---|---|",
+    ]
+    s = result["skew"]
+    lines.append(
+        " | ".join(
+            [
+                f"| {_pct(s['mean']['top10'])} ({_pct(s['min']['top10'])}-{_pct(s['max']['top10'])})",
+                f"{s['mean']['entropy']:.3f} ({s['min']['entropy']:.3f}-{s['max']['entropy']:.3f})",
+                f"{s['mean']['gini']:.3f} ({s['min']['gini']:.3f}-{s['max']['gini']:.3f})",
+                f"{s['mean']['unused']:.1f} ({s['min']['unused']:.0f}-{s['max']['unused']:.0f}) |",
+            ]
+        )
+    )
+    uniform = 1 / max(experts)
+    lines += [
+        "",
+        "### Reuse: routed experts the same layer used in the last N tokens",
+        "",
+        "| N | reuse | distinct experts in the window | share of the layer |",
+        "|---|---|---|---|",
+    ]
+    for r in result["reuse"]:
+        lines.append(
+            f"| {r['window']} | {_pct(r['reuse'])} | {r['distinct']:.1f} | "
+            f"{_pct(r['distinct_share'])} |"
+        )
+    p = result["predictors"]
+    if p["rows"]:
+        lines += [
+            "",
+            f"### Predictors of each token's experts (layers {p['layers'][0]}-{p['layers'][-1]}, "
+            f"tokens {shape['eval_from']}-{shape['tokens'] - 1})",
+            "",
+            f"Chance recall@{k} is {_pct(k * uniform)}. Beside the package's LRU at "
+            f"{p['budget']:.0%} ({p['misses_per_token']:.2f} misses per token over these "
+            "layers): the share of those misses a predictor's reads ahead cover, and its reads "
+            "of absent experts the router did not pick (wasted), per token.",
+            "",
+            "| predictor | set | experts named | recall | misses covered | wasted reads/token |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in p["rows"]:
+            lines.append(
+                f"| {r['predictor']} | {r['set']} | {r['size']:.1f} | {_pct(r['recall'])} | "
+                f"{_pct(r['covered'])} | {r['wasted_per_token']:.2f} |"
+            )
+        by_layer = p.get("by_layer", {})
+        if by_layer:
+            lines += [
+                "",
+                f"Recall@{k} by predicted layer:",
+                "",
+                "| predictor | " + " | ".join(f"layer {i}" for i in p["layers"]) + " |",
+                "|---|" + "---|" * len(p["layers"]),
+            ]
+            for name, values in by_layer.items():
+                lines.append(f"| {name} | " + " | ".join(_pct(v) for v in values) + " |")
+    rep = result["replay"]
+    cols = rep["columns"]
+    lines += [
+        "",
+        f"### Eviction: misses per token (every MoE layer's summed), {rep['tokens']} tokens from "
+        "a cold cache; in brackets the ratio to LRU",
+        "",
+        "| budget | slots | " + " | ".join(cols) + " |",
+        "|---|---|" + "---|" * len(cols),
+    ]
+    for r in rep["rows"]:
+        lru = r["lru"] or 1.0
+        slots = "/".join(map(str, sorted(set(r["slots"]))))
+        lines.append(
+            f"| {r['budget']:.0%} | {slots} | "
+            + " | ".join(f"{r[c]:.2f} ({r[c] / lru:.2f})" for c in cols)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ recording
+
+
+@contextlib.contextmanager
+def _patched_calls(sink: Callable) -> Iterator[None]:
+    """Within it, every ``StreamingSwitchGLU`` call also goes to ``sink(layer, x, indices)``."""
+    original = StreamingSwitchGLU.__call__
+
+    def call(self, x, indices):
+        sink(self.layer, x, indices)
+        return original(self, x, indices)
+
+    StreamingSwitchGLU.__call__ = call
+    try:
+        yield
+    finally:
+        StreamingSwitchGLU.__call__ = original
+
+
+class _Recorder:
+    """Collects one forward pass's routing and MoE inputs, and turns them into the trace's rows
+    and predictions; the ridge maps are fitted on the first ``fit_tokens`` tokens seen (or
+    handed in already fitted: ``maps``)."""
+
+    def __init__(self, model, fit_tokens: int, alpha: float, maps: Optional[dict] = None):
+        layout = model.moeflux.layout
+        self.layers = sorted(layout.module_paths)
+        self.num_experts = [layout.layers[i].num_experts for i in self.layers]
+        gates = next_gates(model, layout.module_paths)  # cur -> (next, its router)
+        self.pairs = sorted(gates.items())
+        self.pred_layers = [nxt for _, (nxt, _) in self.pairs]
+        self.fit_tokens = fit_tokens
+        self.alpha = alpha
+        self.seen = 0
+        self.maps: Dict[int, RidgeRouterMap] = maps if maps is not None else {}
+        self.calls: Dict[int, tuple] = {}
+        self.routed: List[np.ndarray] = []
+        self.predicted: Dict[str, List[np.ndarray]] = {n: [] for n in PREDICTORS}
+
+    def sink(self, layer: int, x, indices) -> None:
+        self.calls[layer] = (np.array(indices).reshape(-1, indices.shape[-1]), x)
+
+    def finish_pass(self) -> None:
+        """Turn the calls of the pass just run into rows: the routing, and the gate's and the
+        ridge's rankings (2 x top_k) of each next layer's experts."""
+        if set(self.calls) != set(self.layers):
+            raise ValueError(f"a forward pass called layers {sorted(self.calls)}, not all of them")
+        routed = np.stack([self.calls[i][0] for i in self.layers], axis=1)
+        n, k = routed.shape[0], routed.shape[2]
+        m = min(2 * k, min(self.num_experts))
+        pos = self.seen + np.arange(n)
+        fit, ev = pos < self.fit_tokens, pos >= self.fit_tokens
+        gate_rows, ridge_rows = [], []
+        for cur, (nxt, router) in self.pairs:
+            x_cur = self.calls[cur][1].reshape(-1, self.calls[cur][1].shape[-1])
+            x_nxt = self.calls[nxt][1].reshape(-1, self.calls[nxt][1].shape[-1])
+            gate = np.array(router_scores(router, x_cur).astype(mx.float32))
+            xc = np.array(x_cur.astype(mx.float32))
+            rmap = self.maps.get(cur)
+            if rmap is None:
+                rmap = self.maps[cur] = RidgeRouterMap(xc.shape[1], gate.shape[1], self.alpha)
+            if fit.any():  # the next layer's own scores on its own input: what to predict
+                target = np.array(router_scores(router, x_nxt).astype(mx.float32))
+                rmap.add(xc[fit], target[fit])
+            if ev.any():
+                if rmap.weight is None or fit.any():
+                    rmap.solve()
+                gate_rows.append(top_experts(gate[ev], m))
+                ridge_rows.append(rmap.predict(xc[ev], m))
+        self.routed.append(routed)
+        if ev.any() and self.pairs:
+            self.predicted["gate"].append(np.stack(gate_rows, axis=1))
+            self.predicted["ridge"].append(np.stack(ridge_rows, axis=1))
+        self.seen += n
+        self.calls.clear()
+
+    def trace(self, tokens: np.ndarray, meta: dict) -> RoutingTrace:
+        routed = np.concatenate(self.routed)
+        predicted = {name: np.concatenate(rows) for name, rows in self.predicted.items() if rows}
+        return RoutingTrace(
+            routed=routed,
+            layers=self.layers,
+            num_experts=self.num_experts,
+            tokens=np.asarray(tokens, np.int64),
+            predicted=predicted,
+            pred_layers=self.pred_layers if predicted else [],
+            eval_from=min(self.fit_tokens, routed.shape[0]),
+            meta=meta,
+        )
+
+
+def _vocab_size(model) -> Optional[int]:
+    args = getattr(model, "args", None)
+    vocab = getattr(args, "vocab_size", None)
+    text = getattr(args, "text_config", None)
+    if vocab is None and isinstance(text, dict):
+        vocab = text.get("vocab_size")
+    return vocab
+
+
+def record_text(
+    model_path: Union[str, Path],
+    tokens: np.ndarray,
+    context: int = 512,
+    fit_tokens: int = 2048,
+    alpha: float = 1e-3,
+    decode: int = 0,
+    prompt_tokens: int = 64,
+    meta: Optional[dict] = None,
+) -> Tuple[RoutingTrace, Optional[RoutingTrace]]:
+    """Record the routing of a text, teacher-forced: one forward pass per ``context`` tokens
+    (each window on its own, no cache), every expert resident (``cache_budget="all"``, ops).
+    The ridge maps are fitted on the first ``fit_tokens`` tokens and predict the rest. With
+    ``decode``, also a greedy decode of that many tokens from the text's first
+    ``prompt_tokens``, whose ridge predictions use the maps fitted on the text.
+
+    Args:
+        model_path: any checkpoint ``moeflux_mlx.load`` opens (plain or converted).
+        tokens: the text's token ids.
+        context: tokens per forward pass.
+        fit_tokens: tokens the ridge maps are fitted on (a pass may straddle it).
+        alpha: the ridge strength (``RidgeRouterMap``).
+        decode: greedy decode tokens (0: none).
+        prompt_tokens: the decode's prompt, from the start of the text.
+        meta: added to each trace's ``meta``.
+
+    Returns:
+        ``(text_trace, decode_trace or None)``.
+
+    Raises:
+        ValueError: the text has a token id the model's vocabulary lacks, or no token after
+            ``fit_tokens``.
+    """
+    tokens = np.asarray(tokens, np.int64)
+    if tokens.size <= fit_tokens:
+        raise ValueError(f"{tokens.size} tokens leave none to evaluate after {fit_tokens}")
+    model, _ = load(model_path, cache_budget="all", backend="ops")
+    vocab = _vocab_size(model)
+    if vocab is not None and int(tokens.max()) >= vocab:
+        raise ValueError(
+            f"token id {int(tokens.max())} is outside the model's vocabulary ({vocab})"
+        )
+    base = {"model": str(model_path), "context": context, "alpha": alpha, **(meta or {})}
+    with model.moeflux:
+        rec = _Recorder(model, fit_tokens, alpha)
+        with _patched_calls(rec.sink):
+            for start in range(0, tokens.size, context):
+                mx.eval(model(mx.array(tokens[start : start + context])[None]))
+                rec.finish_pass()
+        text = rec.trace(tokens, {**base, "mode": "teacher-forced", "fit_tokens": fit_tokens})
+        if not decode:
+            return text, None
+        drec = _Recorder(model, 0, alpha, maps=rec.maps)
+        out: List[int] = []
+        with _patched_calls(drec.sink):
+            # generate_step runs one token ahead: when it yields token y, the last pass run
+            # took y as its input (the prompt's passes before it were overwritten)
+            prompt = mx.array(tokens[:prompt_tokens])
+            for y, _ in generate_step(prompt, model, max_tokens=decode):
+                drec.finish_pass()
+                out.append(int(y))
+        dec = drec.trace(
+            np.array(out, np.int64),
+            {**base, "mode": "greedy decode", "prompt_tokens": prompt_tokens},
+        )
+    return text, dec
