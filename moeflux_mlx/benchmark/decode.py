@@ -97,10 +97,15 @@ def _time_generation(model, prompt: mx.array, decode_tokens: int, on_first=None)
     return prompt.size / (t1 - t0), (len(tokens) - 1) / decode_s, tokens, decode_s
 
 
-def _run_stock(path, prompt, decode_tokens) -> DecodeRun:
+def _as_is(model) -> None:
+    """The models as loaded (``run_benchmark``'s ``prepare`` hook does nothing)."""
+
+
+def _run_stock(path, prompt, decode_tokens, prepare=_as_is) -> DecodeRun:
     import mlx_lm
 
     model, _ = mlx_lm.load(str(path))
+    prepare(model)
     _time_generation(model, prompt, 4)  # warm-up: kernels of these shapes, allocator
     mx.reset_peak_memory()
     ptps, dtps, tokens, _ = _time_generation(model, prompt, decode_tokens)
@@ -130,6 +135,7 @@ def _run_moeflux(
     backend=None,
     prefetch=False,
     device_table=None,
+    prepare=_as_is,
 ) -> DecodeRun:
     total = expert_layout(path).total_expert_bytes
     budget = "all" if budget_fraction >= 1 else int(budget_fraction * total)
@@ -141,6 +147,7 @@ def _run_moeflux(
         backend=backend,
         prefetch=prefetch,
     )
+    prepare(model)
     rt = model.moeflux
     try:
         _time_generation(model, prompt, 4)  # warm-up: kernels of these shapes, allocator, fills
@@ -239,7 +246,15 @@ class SkippedExperts:
 
 
 def _paired_resident(
-    path, stock_path, prompt, decode_tokens, io_mode, backends, n, table: bool = False
+    path,
+    stock_path,
+    prompt,
+    decode_tokens,
+    io_mode,
+    backends,
+    n,
+    table: bool = False,
+    prepare=_as_is,
 ) -> dict:
     """Stock mlx-lm and moeflux with every expert resident (one model per backend), all loaded
     at once and decoding in turn, ``n`` rounds: decode tok/s of each, and per backend the median
@@ -275,6 +290,7 @@ def _paired_resident(
         m.moeflux.backend = SkippedExperts()
         models[CEILING] = m
         for m in models.values():
+            prepare(m)
             _time_generation(m, prompt, 4)  # warm-up: kernels of these shapes, allocator, fills
         tps = {k: [] for k in models}
         for _ in range(n):
@@ -331,21 +347,24 @@ def run_benchmark(
     prefetch=(False,),
     seed=0,
     repeats=1,
+    prepare=_as_is,
 ) -> dict:
     """Run every configuration and return a result dict (see ``write_results``).
 
     Where the device-side table is available, budgets below 100% run with both slot lookups
     (host sync per layer, device-side table), for the comparison. ``repeats`` > 1 also loads stock and
     the all-resident configuration side by side and lets them decode in turn that many times,
-    for ratios that see through run-to-run noise."""
+    for ratios that see through run-to-run noise. ``prepare(model)`` runs on every model right
+    after it is loaded (``trace_routing.drive_routing``: routing replayed from a trace)."""
     path = Path(path)
+    prepare = prepare or _as_is
     mx.random.seed(seed)
     prompt = mx.random.randint(0, 256, (prompt_tokens,)).astype(mx.uint32)
     bandwidth, warm_bandwidth = read_bandwidth(path)
     runs, failures = [], []
     stock_path = Path(stock_path or path)
     if stock and not is_packed(stock_path) and fits_for_stock(stock_path):
-        runs.append(_run_stock(stock_path, prompt, decode_tokens))
+        runs.append(_run_stock(stock_path, prompt, decode_tokens, prepare))
     elif stock:
         log.warning(
             "stock mlx-lm skipped: %s is a converted directory or does not fit in memory",
@@ -372,6 +391,7 @@ def run_benchmark(
                                 backend=backend,
                                 prefetch=pf,
                                 device_table=table,
+                                prepare=prepare,
                             )
                         )
                     except DeviceWaitError as e:  # the table path stalled: say so, go on
@@ -396,6 +416,7 @@ def run_benchmark(
             paired_backends(backend),
             repeats,
             table=use_table(None),
+            prepare=prepare,
         )
         if ref is not None and repeats > 1
         else None

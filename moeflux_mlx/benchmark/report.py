@@ -81,6 +81,12 @@ def format_table(result: dict) -> str:
 
 def summary_lines(result: dict) -> List[str]:
     out = []
+    if result.get("routing_trace"):
+        out.append(
+            f"Routing replayed from {result['routing_trace']} (every MoE layer's router replaced): "
+            "real reuse and skew at this model's expert sizes; the output tokens are "
+            "meaningless by design"
+        )
     for key, what in (
         (
             "sync_overhead_ms_per_layer",

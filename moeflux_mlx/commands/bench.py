@@ -19,6 +19,7 @@ from ..benchmark.report import (
     summary_lines,
     write_results,
 )
+from ..benchmark.trace_routing import drive_routing, load_trace
 from ..format.checkpoint import is_packed
 from ..format.convert import convert
 from ..options import BACKENDS
@@ -137,6 +138,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "with the ops and the kernel backends) side by side and let them decode "
         "in turn N times; report the median ratio (run-to-run noise)",
     )
+    p.add_argument(
+        "--routing-trace",
+        type=Path,
+        default=None,
+        metavar="TRACE",
+        help="replay this routing trace (benchmarks/cache_policy.py's .npz) in every model's "
+        "routers: a trained model's reuse and skew at this model's expert sizes; the "
+        "model must have the trace's experts per layer and top-k (e.g. --set num_experts=64); "
+        "the output tokens are meaningless by design",
+    )
     p.add_argument("--machine", default=None, help="machine label for the results file name")
     p.add_argument(
         "--out",
@@ -156,6 +167,24 @@ def parse_config_setting(text: str):
         return key, json.loads(value)
     except json.JSONDecodeError:
         return key, value
+
+
+def _replayed_routing(trace_path: Optional[Path], prefetch):
+    """``run_benchmark``'s ``prepare`` hook for ``--routing-trace`` (None: models as loaded)."""
+    if trace_path is None:
+        return None
+    if any(prefetch):
+        raise UsageError(
+            "--routing-trace replaces the routers that prefetch predicts from: use --prefetch "
+            "off (benchmarks/cache_policy.py measures predictors on the trace itself)"
+        )
+    trace = load_trace(trace_path)
+    say(
+        f"Routing replayed from {trace_path} ({trace.routed.shape[0]} tokens, "
+        f"{len(trace.layers)} layers, {trace.num_experts[0]} experts, top-{trace.top_k}): "
+        "the output tokens are meaningless by design."
+    )
+    return lambda model: drive_routing(model, trace, trace_path)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -188,6 +217,8 @@ def run(args: argparse.Namespace) -> int:
         convert(model, packed, progress=False, notify=say)  # nothing to do once made
         model, stock_path = packed, model
     out = Path(args.out).expanduser()
+    prefetch = {"off": (False,), "on": (True,), "both": (False, True)}[args.prefetch]
+    prepare = _replayed_routing(args.routing_trace, prefetch)
     result = run_benchmark(
         model,
         budgets=budgets,
@@ -198,8 +229,10 @@ def run(args: argparse.Namespace) -> int:
         stock_path=stock_path,
         backend=args.bench_backend,
         repeats=args.repeats,
-        prefetch={"off": (False,), "on": (True,), "both": (False, True)}[args.prefetch],
+        prefetch=prefetch,
+        prepare=prepare,
     )
+    result["routing_trace"] = str(args.routing_trace) if args.routing_trace else None
     print(format_table(result))
     for line in summary_lines(result):
         print(line)
