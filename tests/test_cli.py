@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from moeflux_mlx import cli
@@ -85,13 +86,28 @@ def test_compare_fails_on_different_experts(ckpts, packed, tmp_path, capsys):
     assert rc == 0
 
 
-def test_compare_tolerance_flag_applies(ckpts, capsys):
-    rows = [compare.Row("p", 4, 4, None, 0.05, 1.0, 1.0)]
-    report = compare.Report(Path("m"), Path("m"), rows, True, 0.1, "gpu")
-    assert report.passed
-    report.tolerance = 0.01
+def test_compare_tolerances_apply(ckpts, capsys):
+    rows = [compare.Row("p", 4, 4, None, 0.05, 0.01, 1.0, 1.0)]
+    report = compare.Report(Path("m"), Path("m"), rows, True, None, compare.GPU_KL_TOL, "gpu")
+    assert report.passed  # a GPU: tokens identical and KL within tolerance
+    assert "KL per step <= 0.05 nats" in compare.format_report(report)
+    report.kl_tolerance = 0.001
+    assert not report.passed
+    report.kl_tolerance, report.tolerance = None, 0.01
     assert not report.passed
     assert "DIFFERENT" in compare.format_report(report)
+
+
+def test_kl_divergence_of_log_prob_vectors():
+    with np.errstate(divide="ignore"):  # log(0) = -inf, as log-softmax gives a masked token
+        ref = np.log(np.array([0.5, 0.5, 0.0], np.float32))
+        got = np.log(np.array([0.25, 0.75, 0.0], np.float32))
+        none = np.log(np.array([1.0, 0.0, 0.0]))
+    assert compare.kl_divergence(ref, ref) == 0.0
+    want = 0.5 * np.log(0.5 / 0.25) + 0.5 * np.log(0.5 / 0.75)
+    assert abs(compare.kl_divergence(ref, got) - want) < 1e-6
+    assert compare.kl_divergence(ref, none) == np.inf
+    assert compare.kl_divergence(ref, np.full(3, np.nan)) == np.inf
 
 
 def test_compare_does_not_run_stock_when_it_does_not_fit(ckpts, monkeypatch, capsys):
