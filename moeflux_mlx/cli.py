@@ -6,7 +6,7 @@ does to its modules.
     moeflux-mlx convert   convert an mlx-lm checkpoint into a streaming directory
     moeflux-mlx info      what streams, how big it is, and how it would be read
     moeflux-mlx compare   stock mlx-lm vs moeflux-mlx on the same prompts
-    moeflux-mlx demo      build the small demo model if needed and generate on it
+    moeflux-mlx demo      generate on the built-in demo model (--path: print its folder)
     moeflux-mlx server    mlx-lm's OpenAI-compatible server, experts streamed
     moeflux-mlx bench     the decode benchmark against stock mlx-lm
     moeflux-mlx doctor    versions, device, kernel self-check, memory, budget and decode forecast
