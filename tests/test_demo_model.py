@@ -96,3 +96,12 @@ def test_wheel_carries_the_checkpoint(tmp_path):
     shipped = demo_model.checkpoint_path()
     for f in shipped.iterdir():
         assert sizes.get(f"moeflux_mlx/demo_model/checkpoint/{f.name}") == f.stat().st_size, f.name
+
+
+def test_compare_on_the_demo_is_same_and_shows_the_replies(capsys):
+    assert cli.main(["compare", "-m", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "Result: SAME" in out
+    replies = [ln for ln in out.splitlines() if ln.startswith("moeflux's reply to")]
+    assert len(replies) == 3
+    assert all(re.search(r"[A-Za-z]{3,} [A-Za-z]{2,}", ln.split(": ", 1)[1]) for ln in replies)

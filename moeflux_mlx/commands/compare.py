@@ -98,6 +98,7 @@ class Row:
     max_kl: float  # KL(stock || moeflux) in nats, largest over the same steps
     stock_tps: float
     moeflux_tps: float
+    reply: str = ""  # moeflux's text, so a person can judge it too
 
     @property
     def identical(self) -> bool:
@@ -342,6 +343,8 @@ def compare(
         ]
     else:
         report.rows = [compare_runs(p, a, b) for p, a, b in zip(prompts, stock_runs, runs)]
+    for row, run in zip(report.rows, runs):
+        row.reply = tokenizer.decode([t for t in run.tokens if t not in eos])
     return report
 
 
@@ -416,6 +419,9 @@ def format_report(report: Report) -> str:
     if s:
         summary = expert_summary({"total": s, "io_mode": s["io_mode"]})
         lines.append(f"moeflux expert I/O: {summary}; backend {report.backend}")
+    for r in rows:
+        if r.reply:
+            lines.append(f"moeflux's reply to {_short(r.prompt)!r}: {_short(r.reply, 72)!r}")
     if report.tolerance == 0 and report.kl_tolerance is None:
         tol = f"exact ({report.device.upper()})"
     else:
