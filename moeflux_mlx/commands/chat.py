@@ -19,15 +19,18 @@ from mlx_lm import stream_generate
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from ..errors import ExpertReadError
+from ..model.lookup_decoding import stream_lookup_generate
 from .common import (
     PROG,
     add_distributed_args,
     add_load_args,
+    add_lookup_args,
     add_model_arg,
     add_sampling_args,
     command_parser,
     distributed,
     load_model,
+    lookup_kwargs,
     main_for,
     make_sampler,
     print_stream,
@@ -91,8 +94,10 @@ class ChatSession:
         self.cached = tokens[:keep]
         return tokens[keep:]
 
-    def send(self, text: str, **generate_kwargs) -> Iterable:
-        """Add the user's ``text``; stream the reply as mlx-lm ``GenerationResponse``s."""
+    def send(self, text: str, lookup: Optional[dict] = None, **generate_kwargs) -> Iterable:
+        """Add the user's ``text``; stream the reply as mlx-lm ``GenerationResponse``s; with
+        ``lookup`` (``stream_lookup_generate``'s keywords), by prompt-lookup speculation, whose
+        drafts are also found in the conversation's earlier turns."""
         self.messages.append({"role": "user", "content": text})
         tokens = self._render()
         new = self._uncached(tokens)
@@ -104,17 +109,30 @@ class ChatSession:
             self.new_tokens,
         )
         reply, generated, done = "", [], False
-        try:
-            for response in stream_generate(
+        if lookup is None:
+            responses = stream_generate(
                 self.model, self.tokenizer, new, prompt_cache=self.cache, **generate_kwargs
-            ):
+            )
+        else:
+            responses = stream_lookup_generate(
+                self.model,
+                self.tokenizer,
+                new,
+                prompt_cache=self.cache,
+                context=self.cached,
+                **lookup,
+                **generate_kwargs,
+            )
+        try:
+            for response in responses:
                 reply += response.text
-                generated.append(response.token)  # each was fed to the model before it was yielded
+                generated.append(response.token)
                 yield response
             done = True
         finally:
             if done:
-                self.cached = tokens + generated
+                # plain decoding fed every token it yielded; speculation all but the last
+                self.cached = tokens + (generated if lookup is None else generated[:-1])
                 self.messages.append({"role": "assistant", "content": reply})
             else:  # interrupted mid-reply: the cache holds an unknown tail; forget the turn
                 self.messages.pop()
@@ -126,9 +144,12 @@ def reply(session: ChatSession, text: str, args: argparse.Namespace, sampler, gr
     if runtime is not None:
         runtime.reset_stats()
     # closing(): an interrupted reply runs send()'s cleanup now, not whenever it is collected
-    with contextlib.closing(session.send(text, max_tokens=args.max_tokens, sampler=sampler)) as s:
+    lookup = lookup_kwargs(args)
+    turn = session.send(text, lookup, max_tokens=args.max_tokens, sampler=sampler)
+    with contextlib.closing(turn) as s:
         last = print_stream(s)
-    say(stats_line(last, runtime, session.reused_tokens, group))
+    draft = None if lookup is None else lookup["stats"]
+    say(stats_line(last, runtime, session.reused_tokens, group, draft))
 
 
 def chat_loop(
@@ -198,6 +219,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--system-prompt", default=None, help="system prompt for the chat template")
     add_sampling_args(parser, DEFAULT_MAX_TOKENS)
+    add_lookup_args(parser)
     add_load_args(parser)
     add_distributed_args(parser)
 

@@ -27,6 +27,7 @@ from mlx_lm.utils import _download
 from .. import demo_model
 from ..errors import CheckpointError, MoefluxError
 from ..model.load import load
+from ..model.lookup_decoding import DEFAULT_NGRAM_MAX, LookupStats
 from ..model.sharded import sharded_load
 from ..options import (
     BACKENDS,
@@ -250,6 +251,37 @@ def add_sampling_args(
         default=DEFAULT_SEED,
         help=f"PRNG seed, 0 to 2^64 - 1 (default: {DEFAULT_SEED})",
     )
+
+
+def add_lookup_args(parser: argparse.ArgumentParser) -> None:
+    """``--prompt-lookup K`` and ``--ngram N``: prompt-lookup speculation (no draft model)."""
+    group = parser.add_argument_group("prompt-lookup speculation")
+    group.add_argument(
+        "--prompt-lookup",
+        type=int_at_least(0),
+        default=0,
+        metavar="K",
+        help="draft up to K tokens a step by finding the text's last n-gram earlier in the "
+        "prompt and reply, and verify them in one forward pass (the union of their experts "
+        "is read once); the output is the same as without it; 0: off (default: 0)",
+    )
+    group.add_argument(
+        "--ngram",
+        type=positive_int,
+        default=DEFAULT_NGRAM_MAX,
+        metavar="N",
+        help=f"with --prompt-lookup: the longest n-gram matched, down to 1 "
+        f"(default: {DEFAULT_NGRAM_MAX})",
+    )
+
+
+def lookup_kwargs(args: argparse.Namespace) -> Optional[dict]:
+    """``stream_lookup_generate``'s keywords for ``--prompt-lookup`` / ``--ngram`` (with a fresh
+    ``LookupStats`` under ``stats``), or None when prompt lookup is off."""
+    k = getattr(args, "prompt_lookup", 0)
+    if not k:
+        return None
+    return dict(num_draft_tokens=k, ngram_max=args.ngram, ngram_min=1, stats=LookupStats())
 
 
 def make_sampler(args: argparse.Namespace):
@@ -531,10 +563,15 @@ def print_stream(responses: Iterable, out=None):
 
 
 def stats_line(
-    last, runtime=None, reused: Optional[int] = None, group: Optional[mx.distributed.Group] = None
+    last,
+    runtime=None,
+    reused: Optional[int] = None,
+    group: Optional[mx.distributed.Group] = None,
+    draft: Optional[LookupStats] = None,
 ) -> str:
-    """``[prompt: ... | reply: ... | peak memory ... | experts: ...]`` for one reply; with a
-    ``group``, each process's experts (a collective: every process calls it)."""
+    """``[prompt: ... | reply: ... | peak memory ... | experts: ... | draft tokens: ...]`` for
+    one reply; with a ``group``, each process's experts (a collective: every process calls it);
+    with ``draft`` (prompt lookup), the draft tokens proposed and accepted."""
     experts = None if runtime is None else expert_summary(runtime.stats_dict())
     if experts is not None:
         experts = per_rank(gather_text(experts, group))
@@ -548,6 +585,8 @@ def stats_line(
     ]
     if experts is not None:
         parts.append("experts: " + experts)
+    if draft is not None:
+        parts.append(draft.summary())
     return "[" + " | ".join(parts) + "]"
 
 

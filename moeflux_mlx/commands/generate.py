@@ -8,16 +8,19 @@ from typing import Optional
 
 from mlx_lm import stream_generate
 
+from ..model.lookup_decoding import stream_lookup_generate
 from .common import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_PROMPT,
     add_distributed_args,
     add_load_args,
+    add_lookup_args,
     add_model_arg,
     add_sampling_args,
     command_parser,
     distributed,
     load_model,
+    lookup_kwargs,
     main_for,
     make_sampler,
     print_stream,
@@ -37,12 +40,18 @@ def run(args: argparse.Namespace) -> int:
     try:
         tokens = prompt_tokens(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)
         model.moeflux.reset_stats()
-        last = print_stream(
-            stream_generate(
-                model, tokenizer, tokens, max_tokens=args.max_tokens, sampler=make_sampler(args)
+        sampler, lookup = make_sampler(args), lookup_kwargs(args)
+        if lookup is None:
+            responses = stream_generate(
+                model, tokenizer, tokens, max_tokens=args.max_tokens, sampler=sampler
             )
-        )
-        say(stats_line(last, model.moeflux, group=group))
+        else:
+            responses = stream_lookup_generate(
+                model, tokenizer, tokens, max_tokens=args.max_tokens, sampler=sampler, **lookup
+            )
+        last = print_stream(responses)
+        draft = None if lookup is None else lookup["stats"]
+        say(stats_line(last, model.moeflux, group=group, draft=draft))
     finally:
         model.moeflux.close()
     return 0
@@ -62,6 +71,7 @@ def add_args(
         help="use the raw prompt without the tokenizer's chat template",
     )
     add_sampling_args(p, max_tokens)
+    add_lookup_args(p)
     add_load_args(p)
     add_distributed_args(p)
 
