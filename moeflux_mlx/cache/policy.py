@@ -102,6 +102,10 @@ class LRUPolicy(EvictionPolicy):
         super().__init__(num_experts, n_slots, slot_of)
         self.last_used = np.full(n_slots, -1, np.int64)  # slot -> clock of its last use, -1: free
         self.device_last = device_last
+        self.setup(num_experts, n_slots)
+
+    def setup(self, num_experts: int, n_slots: int) -> None:
+        """A subclass's own state, made after LRU's (so subclasses need no constructor)."""
 
     def touch(self, slots: np.ndarray, tick: int) -> None:
         self.last_used[slots] = tick
@@ -121,18 +125,11 @@ class _CountingPolicy(LRUPolicy):
     """LRU's bookkeeping plus a score per expert; the victims are the lowest scores (free slots
     first, ties by last use)."""
 
-    def __init__(
-        self,
-        num_experts: int,
-        n_slots: int,
-        slot_of: Optional[np.ndarray] = None,
-        device_last: Optional[np.ndarray] = None,
-    ):
-        super().__init__(num_experts, n_slots, slot_of, device_last)
+    def setup(self, num_experts: int, n_slots: int) -> None:
         self.count = np.zeros(num_experts, np.float64)  # uses per expert, kept across evictions
-        self.setup(num_experts)
+        self.setup_scores(num_experts)
 
-    def setup(self, num_experts: int) -> None:
+    def setup_scores(self, num_experts: int) -> None:
         """A subclass's own per-expert state."""
 
     def score(self, experts: np.ndarray, tick: int) -> np.ndarray:
@@ -167,7 +164,7 @@ class LFUDAPolicy(_CountingPolicy):
 
     name = "lfuda"
 
-    def setup(self, num_experts: int) -> None:
+    def setup_scores(self, num_experts: int) -> None:
         self.age = 0.0
         self.priority = np.zeros(num_experts, np.float64)
 
@@ -195,7 +192,7 @@ class DecayPolicy(_CountingPolicy):
     name = "decay"
     half_life = 8.0  # calls; the best of 8/32/128 on random-weight traces (docs/benchmarks.md)
 
-    def setup(self, num_experts: int) -> None:
+    def setup_scores(self, num_experts: int) -> None:
         self.at = np.zeros(num_experts, np.int64)  # the call each count was last brought up to
 
     def touch(self, slots: np.ndarray, tick: int) -> None:
@@ -237,14 +234,7 @@ class S3FIFOPolicy(LRUPolicy):
     small_share = 0.1  # of the slots: the small queue's share (the paper's 10%)
     max_count = 3  # a 2-bit use count
 
-    def __init__(
-        self,
-        num_experts: int,
-        n_slots: int,
-        slot_of: Optional[np.ndarray] = None,
-        device_last: Optional[np.ndarray] = None,
-    ):
-        super().__init__(num_experts, n_slots, slot_of, device_last)
+    def setup(self, num_experts: int, n_slots: int) -> None:
         self.small: Deque[int] = deque()  # slots, oldest first
         self.main: Deque[int] = deque()
         self.ghost: OrderedDict[int, None] = OrderedDict()  # experts, oldest first

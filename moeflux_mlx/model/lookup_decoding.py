@@ -304,36 +304,12 @@ def stream_lookup_generate(
     detokenizer = tokenizer.detokenizer
     steps = lookup_generate_step(ids, model, stream, max_tokens=max_tokens, **kwargs)
     # the same loop as stream_generate, so the responses (and where it stops) are the same
-    with wired_limit(model, [stream]):
-        try:
-            tic = time.perf_counter()
-            prompt_tps = 0.0
-            n, token, logprobs, from_draft = 0, 0, mx.array([]), False
-            for n, (token, logprobs, from_draft) in enumerate(steps):
-                if n == 0:
-                    prompt_tps = ids.size / (time.perf_counter() - tic)
-                    tic = time.perf_counter()
-                if token in tokenizer.eos_token_ids:
-                    break
-                detokenizer.add_token(token)
-                if (n + 1) == max_tokens:
-                    break
-                yield GenerationResponse(
-                    text=detokenizer.last_segment,
-                    token=token,
-                    logprobs=logprobs,
-                    from_draft=from_draft,
-                    prompt_tokens=ids.size,
-                    prompt_tps=prompt_tps,
-                    generation_tokens=n + 1,
-                    generation_tps=(n + 1) / (time.perf_counter() - tic),
-                    peak_memory=mx.get_peak_memory() / 1e9,
-                    finish_reason=None,
-                )
-        finally:
-            steps.close()  # trims the cache now, not when the generator is collected
-        detokenizer.finalize()
-        yield GenerationResponse(
+    tic = time.perf_counter()
+    prompt_tps = 0.0
+    n, token, logprobs, from_draft = 0, 0, mx.array([]), False
+
+    def response(token, logprobs, from_draft, n, finish_reason) -> GenerationResponse:
+        return GenerationResponse(
             text=detokenizer.last_segment,
             token=token,
             logprobs=logprobs,
@@ -343,5 +319,23 @@ def stream_lookup_generate(
             generation_tokens=n + 1,
             generation_tps=(n + 1) / (time.perf_counter() - tic),
             peak_memory=mx.get_peak_memory() / 1e9,
-            finish_reason="stop" if token in tokenizer.eos_token_ids else "length",
+            finish_reason=finish_reason,
         )
+
+    with wired_limit(model, [stream]):
+        try:
+            for n, (token, logprobs, from_draft) in enumerate(steps):
+                if n == 0:
+                    prompt_tps = ids.size / (time.perf_counter() - tic)
+                    tic = time.perf_counter()
+                if token in tokenizer.eos_token_ids:
+                    break
+                detokenizer.add_token(token)
+                if (n + 1) == max_tokens:
+                    break
+                yield response(token, logprobs, from_draft, n, None)
+        finally:
+            steps.close()  # trims the cache now, not when the generator is collected
+        detokenizer.finalize()
+        finish = "stop" if token in tokenizer.eos_token_ids else "length"
+        yield response(token, logprobs, from_draft, n, finish)
