@@ -244,3 +244,36 @@ def test_kernels_benchmark_mxfp4_smoke(tmp_path, monkeypatch):
     gpu._available = True
     spec = kb.affine_spec(2880, 2880, 4, 64)
     assert B.layer_choice(gpu, spec, SwiGLU(), topk=4) == B.LayerChoice("ops", why)
+
+
+def test_prompt_file_gives_the_benchmark_text_to_start_from(tmp_path, monkeypatch):
+    """``--prompt-file``: the run starts from the text's first tokens (the tokenizer's ids, not
+    random ones); a file too short or unreadable is one usage error."""
+    from moeflux_mlx import demo_model
+    from moeflux_mlx.benchmark import decode as decode_mod
+
+    demo = demo_model.checkpoint_path()
+    text = tmp_path / "prompt.txt"
+    text.write_text("It is a truth universally acknowledged, that a single man in possession")
+    seen = {}
+    real = decode_mod.run_benchmark
+
+    def spy(path, **kw):
+        seen["prompt"] = kw["prompt"]
+        return real(path, **kw)
+
+    monkeypatch.setattr(bench_cmd, "run_benchmark", spy)
+    common = ["--budgets", "1", "--io", "mmap", "--prefetch", "off", "--decode-tokens", "2"]
+    common += ["--no-stock", "--out", str(tmp_path / "r"), "--machine", "t"]
+    assert (
+        bench_cmd.main([str(demo), "--prompt-file", str(text), "--prompt-tokens", "6", *common])
+        == 0
+    )
+    from mlx_lm.utils import load_tokenizer
+
+    assert seen["prompt"] == load_tokenizer(demo).encode(text.read_text())[:6]
+    assert (
+        bench_cmd.main([str(demo), "--prompt-file", str(text), "--prompt-tokens", "999", *common])
+        == 2
+    )
+    assert bench_cmd.main([str(demo), "--prompt-file", str(tmp_path / "none"), *common]) == 2

@@ -340,6 +340,7 @@ def run_benchmark(
     budgets=(1.0, 0.5, 0.25, 0.0),
     io_modes=("mmap", "pread"),
     prompt_tokens=128,
+    prompt=None,
     decode_tokens=64,
     stock=True,
     stock_path=None,
@@ -355,11 +356,16 @@ def run_benchmark(
     (host sync per layer, device-side table), for the comparison. ``repeats`` > 1 also loads stock and
     the all-resident configuration side by side and lets them decode in turn that many times,
     for ratios that see through run-to-run noise. ``prepare(model)`` runs on every model right
-    after it is loaded (``trace_routing.drive_routing``: routing replayed from a trace)."""
+    after it is loaded (``trace_routing.drive_routing``: routing replayed from a trace).
+    ``prompt``: token ids to start from (the first ``prompt_tokens``; default: random ids), so a
+    trained model decodes text and routes as it would for a user."""
     path = Path(path)
     prepare = prepare or _as_is
     mx.random.seed(seed)
-    prompt = mx.random.randint(0, 256, (prompt_tokens,)).astype(mx.uint32)
+    if prompt is None:  # random ids: a random-weight model has no text to be given
+        prompt = mx.random.randint(0, 256, (prompt_tokens,)).astype(mx.uint32)
+    else:
+        prompt = mx.array(list(prompt)[:prompt_tokens], dtype=mx.uint32)
     bandwidth, warm_bandwidth = read_bandwidth(path)
     runs, failures = [], []
     stock_path = Path(stock_path or path)

@@ -115,6 +115,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--prefetch", default="both", choices=["off", "on", "both"])
     p.add_argument("--prompt-tokens", type=positive_int, default=128)
+    p.add_argument(
+        "--prompt-file",
+        type=Path,
+        default=None,
+        metavar="TEXT",
+        help="start from this text (its first --prompt-tokens tokens, with the model's tokenizer) "
+        "instead of random token ids: a trained model then routes as for a user",
+    )
     p.add_argument("--decode-tokens", type=positive_int, default=64)
     p.add_argument(
         "--bench-backend",
@@ -167,6 +175,24 @@ def parse_config_setting(text: str):
         return key, json.loads(value)
     except json.JSONDecodeError:
         return key, value
+
+
+def _prompt_ids(text_file: Optional[Path], model: Path, n: int) -> Optional[List[int]]:
+    """The first ``n`` token ids of ``text_file`` with ``model``'s tokenizer (None: no file)."""
+    if text_file is None:
+        return None
+    try:
+        text = Path(text_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--prompt-file {text_file}: cannot read it as text ({e})") from None
+    from mlx_lm.utils import load_tokenizer
+
+    ids = load_tokenizer(Path(model)).encode(text)[:n]
+    if len(ids) < n:
+        raise UsageError(
+            f"--prompt-file {text_file}: {len(ids)} tokens, fewer than --prompt-tokens {n}"
+        )
+    return ids
 
 
 def _replayed_routing(trace_path: Optional[Path], prefetch):
@@ -224,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
         budgets=budgets,
         io_modes=io_modes,
         prompt_tokens=args.prompt_tokens,
+        prompt=_prompt_ids(args.prompt_file, stock_path or model, args.prompt_tokens),
         decode_tokens=args.decode_tokens,
         stock=not args.no_stock,
         stock_path=stock_path,
