@@ -36,21 +36,27 @@ class TraceRoutingError(MoefluxError, ValueError):
     """The trace cannot drive this model's routers (expert counts, top-k, router kind)."""
 
 
+def logit_rows(experts: np.ndarray, num_experts: int) -> np.ndarray:
+    """``[tokens, num_experts]`` logits whose top-k at each position are ``experts`` (``[tokens,
+    top_k]``): 0 for the traced experts, far below everywhere else."""
+    rows = np.full((experts.shape[0], num_experts), _OFF, np.float32)
+    np.put_along_axis(rows, experts.astype(np.int64), 0.0, axis=1)
+    return rows
+
+
 class TraceRouter(nn.Module):
     """A router whose logits make the traced experts of each position its top-k.
 
     Args:
-        experts: ``[tokens, top_k]`` expert indices, replayed from ``start`` and wrapping.
-        num_experts: the width of the logits.
+        rows: ``[tokens, experts]`` logits (``logit_rows``), replayed from ``start`` and
+            wrapping; routers replaying the same trace layer share them.
         start: the first position to replay.
     """
 
-    def __init__(self, experts: np.ndarray, num_experts: int, start: int = 0):
+    def __init__(self, rows: np.ndarray, start: int = 0):
         super().__init__()
-        rows = np.full((experts.shape[0], num_experts), _OFF, np.float32)
-        np.put_along_axis(rows, experts.astype(np.int64), 0.0, axis=1)
         self._rows = rows  # plain attribute: not a parameter, never saved or quantized
-        self._pos = start % experts.shape[0]
+        self._pos = start % rows.shape[0]
 
     def __call__(self, x: mx.array) -> mx.array:
         lead = x.shape[:-1]
@@ -91,6 +97,7 @@ def drive_routing(model: nn.Module, trace: RoutingTrace, where: Union[str, Path]
         raise TraceRoutingError(f"{where}: layers with different numbers of experts")
     replaced = []
     tokens = trace.routed.shape[0]
+    rows = [logit_rows(trace.routed[:, j], experts) for j in range(n_layers)]
     for j, (path, layer) in enumerate(sites):
         found = find_router(model, path, layer, experts)
         if found is None:
@@ -111,7 +118,7 @@ def drive_routing(model: nn.Module, trace: RoutingTrace, where: Union[str, Path]
             )
         # another reuse of the same trace layer starts elsewhere, so layers do not move together
         start = (j // n_layers) * (tokens // max(1, -(-len(sites) // n_layers)))
-        replaced.append((router_path, TraceRouter(trace.routed[:, j % n_layers], experts, start)))
+        replaced.append((router_path, TraceRouter(rows[j % n_layers], start)))
     model.update_modules(tree_unflatten(replaced))
     return len(replaced)
 

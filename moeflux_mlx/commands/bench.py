@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from mlx_lm.utils import load_tokenizer
+
 from ..benchmark.decode import run_benchmark
 from ..benchmark.report import (
     format_table,
@@ -185,8 +187,6 @@ def _prompt_ids(text_file: Optional[Path], model: Path, n: int) -> Optional[List
         text = Path(text_file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"--prompt-file {text_file}: cannot read it as text ({e})") from None
-    from mlx_lm.utils import load_tokenizer
-
     ids = load_tokenizer(Path(model)).encode(text)[:n]
     if len(ids) < n:
         raise UsageError(

@@ -262,7 +262,8 @@ def sharded_load(
             raise CheckpointError(f"{path}: mlx-lm's pipeline() cannot split it: {e}") from e
     layer_of = {p: i for i, p in full.module_paths.items()}
     shards: Dict[int, Optional[ExpertShard]] = {}
-    for p in find_experts(model):
+    experts = find_experts(model)
+    for p in experts:
         i = layer_of.get(p)
         if i is not None:
             shards[i] = full.layers[i].shard(cuts[i], f"{path}: layer {i}") if cuts.get(i) else None
@@ -273,7 +274,7 @@ def sharded_load(
         store.close()
         raise
     try:
-        if shards or find_experts(model):  # a stage of dense layers only streams nothing
+        if experts:  # a stage of dense layers only streams nothing
             _replace_switch_modules(model, runtime, config, path)
             _attach_predictor(model, runtime)
         mx.eval(model.parameters(), mx.random.state)
