@@ -42,7 +42,7 @@ grep -v "^expert \|building\|it/s\]\|transformers" "$OUT/bench_log.txt" | tail -
 fi
 if [ "${OVERLAP:-1}" = 1 ] && [ -d "/tmp/bench-models/qwen3_moe-full-${LAYERS}l-packed" ]; then
   MODEL=/tmp/bench-models/qwen3_moe-full-${LAYERS}l
-  timeout 300 python3 benchmarks/overlap_probe.py "$MODEL-packed" --stock "$MODEL" --budgets 0.25 \
+  timeout 300 python3 benchmarks/probes/overlap_probe.py "$MODEL-packed" --stock "$MODEL" --budgets 0.25 \
     --rounds "$ROUNDS" > "$OUT/overlap_probe.txt" 2>&1
   echo "overlap probe:"; grep "^|" "$OUT/overlap_probe.txt"
 fi
@@ -60,7 +60,7 @@ if [ "${POLL:-1}" = 1 ]; then  # the poller's host cost: fixed 20 us polls vs ba
   MODEL=/tmp/bench-models/qwen3_moe-full-${LAYERS}l
   [ -d "$MODEL" ] || python3 -c "from pathlib import Path; from moeflux_mlx.testing import synth; \
 synth.build_checkpoint(Path('$MODEL'), 'qwen3_moe', 'full', overrides={'num_hidden_layers': $LAYERS})"
-  timeout "${POLL_TIMEOUT:-300}" python3 benchmarks/host_probe.py "$MODEL" --rounds "$ROUNDS" \
+  timeout "${POLL_TIMEOUT:-300}" python3 benchmarks/probes/host_probe.py "$MODEL" --rounds "$ROUNDS" \
     --poll-max-us 20,1000 > "$OUT/host_probe.txt" 2>&1
   echo "host probe:"; grep -v transformers "$OUT/host_probe.txt" | tail -12
 fi

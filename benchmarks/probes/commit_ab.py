@@ -7,7 +7,7 @@ the settings alternating round by round, each reading the same (cached) model.
 
 Written to ask why a cold token through the device-side table took GPU wait + host time rather
 than the larger of the two (benchmarks/results/2026-11-25-h100-notes.md): committing less often
-changed nothing, CUDA graphs off took about 1 ms off each token; ``benchmarks/overlap_probe.py``
+changed nothing, CUDA graphs off took about 1 ms off each token; ``benchmarks/probes/overlap_probe.py``
 then showed the host is not blocked at all and the rest is the GPU's own work.
 
     python benchmarks/probes/commit_ab.py --layers 8 --rounds 2 \

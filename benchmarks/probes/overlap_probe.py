@@ -14,7 +14,7 @@ token:
 On an H100 (benchmarks/results/2026-11-25-h100-notes.md; docs/benchmarks.md) it was the second:
 a cold token is the GPU's waits plus its own work, one after the other.
 
-    python benchmarks/overlap_probe.py MODEL [--budgets 0.25,0.05] [--tokens 64] [--rounds 3]
+    python benchmarks/probes/overlap_probe.py MODEL [--budgets 0.25,0.05] [--tokens 64] [--rounds 3]
 
 MODEL: a converted or plain checkpoint (e.g. the ``-packed`` copy ``benchmarks/decode.py
 --convert`` made). Budgets below 1 run pread with the page cache dropped throughout, as the decode
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402

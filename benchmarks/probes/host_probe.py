@@ -11,7 +11,7 @@ is compared within one run.
 If build + encode is close to the pipelined time per token, decode is bound by the host, and
 what counts is how many graph nodes a layer adds, not how fast its kernels run.
 
-    python benchmarks/host_probe.py MODEL [--tokens 64] [--rounds 3] [--poll-max-us 20,1000]
+    python benchmarks/probes/host_probe.py MODEL [--tokens 64] [--rounds 3] [--poll-max-us 20,1000]
 
 MODEL: a plain mlx-lm checkpoint (e.g. one ``benchmarks/decode.py`` built).
 """
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
