@@ -138,8 +138,9 @@ class LoadOptions:
             wherever it can run.
         slot_writes: ``host`` (into the pool's memory through a host view) or ``device`` (through
             host staging and a GPU scatter); None: ``device`` on CUDA, else ``host``.
-        eviction: which resident expert a miss replaces (``cache.policy``): ``lru`` (default),
-            ``lfu``, ``lfuda``, ``decay`` or ``s3fifo``. The device-side table's layers keep LRU.
+        eviction: which resident expert a miss replaces (``cache.policy``): ``decay``
+            (default: decayed use counts), ``lru``, ``lfu``, ``lfuda`` or ``s3fifo``; the
+            device-side table's miss server keeps its layers by the same policy.
         wait_timeout_s: how long the GPU waits for the miss server before it gives up.
         server_poll_us, server_poll_max_us: the miss server's poll interval after a request, and
             the cap it grows to while no request comes.
@@ -154,7 +155,7 @@ class LoadOptions:
     threads: int = 8
     device_table: Optional[bool] = None
     slot_writes: Optional[str] = None
-    eviction: str = "lru"
+    eviction: str = "decay"
     wait_timeout_s: float = 60.0
     server_poll_us: float = 20.0
     server_poll_max_us: float = 1000.0

@@ -177,20 +177,29 @@ def test_benchmark_pairs_the_lookup_alone(table_on_cpu, reference, tiny_checkpoi
     assert any("device-side table alone, from those rounds" in line for line in lines)
 
 
-def test_same_misses_as_the_synced_cache(table_on_cpu, reference):
-    """The table path and the host-synced path make the same LRU decisions."""
+@pytest.mark.parametrize("eviction", ["lru", "decay"])
+def test_same_misses_as_the_synced_cache(table_on_cpu, reference, eviction):
+    """The table path and the host-synced path make the same LRU decisions; a counting policy
+    (the default) sees the GPU's uses through its last-use records, at most one per slot between
+    two of its layer's misses, so its misses may differ a little from the synced path's."""
     packed, prompt, _, total = reference
     missed = []
     tokens = []
     for table in (True, False):
-        model, _ = moeflux_mlx.load(packed, cache_budget=int(0.3 * total), device_table=table)
+        model, _ = moeflux_mlx.load(
+            packed, cache_budget=int(0.3 * total), device_table=table, eviction=eviction
+        )
         with model.moeflux as rt:
             assert (rt.cache.name == "table") == table
             tokens.append(_greedy(model, prompt))  # default backend: the kernels on a GPU
             rt.stats_dict()
             missed.append({i: s.experts_missed for i, s in rt.stats.layers.items()})
-    assert missed[0] == missed[1]
     assert tokens[0] == tokens[1]
+    if eviction == "lru":
+        assert missed[0] == missed[1]
+    else:
+        table_total, synced_total = sum(missed[0].values()), sum(missed[1].values())
+        assert abs(table_total - synced_total) <= 0.1 * synced_total
 
 
 def test_lazy_calls_mixing_table_and_synced_paths_stay_exact(

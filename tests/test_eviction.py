@@ -36,7 +36,32 @@ def _run(policy_class, trace, n_slots, num_experts=8):
 
 def test_the_option_names_every_policy():
     assert set(EVICTIONS) == set(POLICIES)
-    assert LoadOptions().eviction == "lru"
+    assert LoadOptions().eviction == "decay"
+
+
+@pytest.mark.parametrize("policy", [LFUPolicy, DecayPolicy, LFUDAPolicy])
+def test_uses_the_gpu_made_count_once_and_never_for_another_occupant(policy):
+    """With the device-side table the GPU records a slot's last use (``device_last``) for calls
+    the host never sees; an admission counts each such slot once, but not a use the host itself
+    saw (same tick) nor a late store of the slot's previous occupant."""
+    device_last = np.full(3, -1, np.int64)
+    p = policy(8, 3, device_last=device_last)
+    missing, victims = p.admit(np.array([0, 1]), 1)
+    p.assign(missing, victims, 1)
+    device_last[p.slot_of[[0, 1]]] = 1  # the GPU's store for the call the host answered
+    device_last[p.slot_of[0]] = 3  # then 0 alone, in a call that needed no help
+    before = p.count.copy()
+    missing, victims = p.admit(np.array([2]), 4)  # a free slot: nothing evicted
+    p.assign(missing, victims, 4)
+    assert p.count[1] == before[1] and p.count[0] > before[0]
+    assert p.device_seen[p.slot_of[0]] == 3
+    missing, victims = p.admit(np.array([3]), 5)  # 1: the fewest uses, the oldest
+    p.assign(missing, victims, 5)
+    assert p.slot_of[1] < 0 and p.slot_of[0] >= 0 and p.slot_of[3] >= 0
+    device_last[p.slot_of[3]] = 2  # a late store of the slot's previous occupant (1)
+    count3 = p.count[3]
+    p.admit(np.array([0]), 6)
+    assert p.count[3] == count3
 
 
 def test_lru_and_lfu_differ_where_frequency_counts():

@@ -6,19 +6,23 @@ A policy is a class: ``EvictionPolicy`` keeps the bookkeeping, a subclass says w
 used (``touch``) and which to free (``victims``). ``POLICIES`` names them (``LoadOptions
 .eviction``): ``lru`` evicts the least recently used; ``lfu`` the least frequently used (use counts
 kept across evictions); ``lfuda`` LFU with dynamic aging (an expert's priority is its count plus
-the priority of the last one evicted, so old fame fades); ``decay`` the lowest exponentially
-decayed use count; ``s3fifo`` S3-FIFO, scan-resistant (``S3FIFOPolicy``). Ties go to the least
-recently used. The device-side table's miss server keeps LRU (its GPU records last uses only).
+the priority of the last one evicted, so old fame fades); ``decay`` (the default) the lowest
+exponentially decayed use count; ``s3fifo`` S3-FIFO, scan-resistant (``S3FIFOPolicy``). Ties go
+to the least recently used. ``docs/routing.md`` has the replayed and live miss counts that chose
+the default.
 
 Every policy frees only slots the call being admitted does not use: ``admit`` marks the call's
 hits used at its tick (``now``) before it asks for victims, and no policy picks a slot used at
 ``now``.
 
 With the device-side table, ``slot_of`` is a view into the shared control block
-(``cuda.control_block``), read by the GPU, and the LRU's ``device_last`` another, where the GPU
-records each slot's last use by calls that needed no help. The GPU's stores to host memory may
-land late, so the GPU and the host never write the same words: a slot's last use is the later of
-the two.
+(``cuda.control_block``), read by the GPU, and ``device_last`` another, where the GPU records
+each slot's last use by calls that needed no help (the miss server sees every other call). The
+GPU's stores to host memory may land late, so the GPU and the host never write the same words: a
+slot's last use is the later of the two. Policies that count uses learn of the GPU's at each
+admission (``device_used``): a slot whose ``device_last`` moved since it was last looked at, past
+the host's own last touch, was used at least once in between. Between two admissions of a layer a
+slot's GPU uses count once: at a small budget nearly every call has a miss, so little is lost.
 """
 
 from __future__ import annotations
@@ -102,6 +106,7 @@ class LRUPolicy(EvictionPolicy):
         super().__init__(num_experts, n_slots, slot_of)
         self.last_used = np.full(n_slots, -1, np.int64)  # slot -> clock of its last use, -1: free
         self.device_last = device_last
+        self.device_seen = np.full(n_slots, -1, np.int64)  # the GPU's last uses counted so far
         self.setup(num_experts, n_slots)
 
     def setup(self, num_experts: int, n_slots: int) -> None:
@@ -110,12 +115,36 @@ class LRUPolicy(EvictionPolicy):
     def touch(self, slots: np.ndarray, tick: int) -> None:
         self.last_used[slots] = tick
 
-    def victims(self, n: int) -> np.ndarray:
+    def admit(self, experts: np.ndarray, tick: int) -> Tuple[np.ndarray, np.ndarray]:
+        if self.device_last is not None:
+            self._fold_device_uses()
+        return super().admit(experts, tick)
+
+    def _fold_device_uses(self) -> None:
+        assert self.device_last is not None
+        seen = np.array(self.device_last)  # one snapshot: the GPU may store into it meanwhile
+        # a GPU use no later than the host's last touch is one the host saw (the calls it
+        # answered, its occupant's arrival), or the previous occupant's
+        fresh = (seen > np.maximum(self.device_seen, self.last_used)) & (self.last_used >= 0)
+        slots = np.flatnonzero(fresh)
+        self.device_seen[slots] = seen[slots]
+        if slots.size:
+            self.device_used(slots, seen[slots])
+
+    def device_used(self, slots: np.ndarray, ticks: np.ndarray) -> None:
+        """The GPU used ``slots`` (their occupants) at least once, last at ``ticks``, in calls the
+        host never saw. LRU needs nothing: ``victims`` reads ``device_last`` itself."""
+
+    def last_uses(self) -> np.ndarray:
+        """Each slot's last use, the host's or the GPU's (-1: free)."""
         last = self.last_used
         if self.device_last is not None:
             last = np.maximum(last, self.device_last)
             last[self.last_used < 0] = -1  # freed by the host since: free whatever the GPU saw
-        return np.argpartition(last, n - 1)[:n]
+        return last
+
+    def victims(self, n: int) -> np.ndarray:
+        return np.argpartition(self.last_uses(), n - 1)[:n]
 
     def forget(self, slots: np.ndarray) -> None:
         self.last_used[slots] = -1
@@ -138,14 +167,22 @@ class _CountingPolicy(LRUPolicy):
     def touch(self, slots: np.ndarray, tick: int) -> None:
         super().touch(slots, tick)
         experts = self.expert_in[slots]
-        self.count[experts[experts >= 0]] += 1
+        self.used(experts[experts >= 0], tick)
+
+    def used(self, experts: np.ndarray, tick: int) -> None:
+        """One more use of each of ``experts`` at ``tick`` (hits, arrivals, the GPU's uses)."""
+        self.count[experts] += 1
+
+    def device_used(self, slots: np.ndarray, ticks: np.ndarray) -> None:
+        for slot, tick in zip(slots.tolist(), ticks.tolist()):
+            self.used(self.expert_in[[slot]], int(tick))
 
     def victims(self, n: int) -> np.ndarray:
         used = self.expert_in >= 0
         score = np.full(self.expert_in.size, -np.inf)  # free slots first
         score[used] = self.score(self.expert_in[used], self.now)
         score[self.last_used == self.now] = np.inf  # this call's hits stay (admit touched them)
-        order = np.lexsort((self.last_used, score))  # by score, then oldest use
+        order = np.lexsort((self.last_uses(), score))  # by score, then oldest use
         return order[:n]
 
 
@@ -168,10 +205,8 @@ class LFUDAPolicy(_CountingPolicy):
         self.age = 0.0
         self.priority = np.zeros(num_experts, np.float64)
 
-    def touch(self, slots: np.ndarray, tick: int) -> None:
-        super().touch(slots, tick)
-        experts = self.expert_in[slots]
-        experts = experts[experts >= 0]
+    def used(self, experts: np.ndarray, tick: int) -> None:
+        super().used(experts, tick)
         self.priority[experts] = self.count[experts] + self.age
 
     def score(self, experts: np.ndarray, tick: int) -> np.ndarray:
@@ -190,17 +225,18 @@ class DecayPolicy(_CountingPolicy):
     """The lowest use count decayed exponentially with a half-life of ``half_life`` calls."""
 
     name = "decay"
-    half_life = 8.0  # calls; the best of 8/32/128 on random-weight traces (docs/benchmarks.md)
+    half_life = 32.0  # calls; the best compromise over the trained demo's traces (docs/routing.md)
 
     def setup_scores(self, num_experts: int) -> None:
         self.at = np.zeros(num_experts, np.int64)  # the call each count was last brought up to
 
-    def touch(self, slots: np.ndarray, tick: int) -> None:
-        experts = self.expert_in[slots]
-        experts = experts[experts >= 0]
-        self.count[experts] *= 0.5 ** ((tick - self.at[experts]) / self.half_life)
-        self.at[experts] = tick
-        super().touch(slots, tick)
+    def used(self, experts: np.ndarray, tick: int) -> None:
+        # a late-counted GPU use (tick before ``at``) adds its weight at that tick
+        gap = tick - self.at[experts]
+        late = gap < 0
+        self.count[experts] *= np.where(late, 1.0, 0.5 ** (np.maximum(gap, 0) / self.half_life))
+        self.count[experts] += np.where(late, 0.5 ** (-gap / self.half_life), 1.0)
+        self.at[experts] = np.maximum(self.at[experts], tick)
 
     def score(self, experts: np.ndarray, tick: int) -> np.ndarray:
         return self.count[experts] * 0.5 ** ((tick - self.at[experts]) / self.half_life)
@@ -258,6 +294,10 @@ class S3FIFOPolicy(LRUPolicy):
             else:
                 self.small.append(s)
                 self.queue[s] = 1
+
+    def device_used(self, slots: np.ndarray, ticks: np.ndarray) -> None:
+        held = slots[self.queue[slots] > 0]
+        self.uses[held] = np.minimum(self.uses[held] + 1, self.max_count)
 
     def victims(self, n: int) -> np.ndarray:
         out = np.flatnonzero(self.queue == 0)[:n].tolist()  # free slots first

@@ -150,8 +150,9 @@ LOAD_OPTIONS = (
         dict(
             type=str.lower,
             choices=EVICTIONS,
-            help="which resident expert a miss replaces: lru (least recently used), lfu, lfuda "
-            "(LFU with aging) or decay (decayed use counts) (default: $MOEFLUX_EVICTION or lru)",
+            help="which resident expert a miss replaces: decay (decayed use counts), lru (least "
+            "recently used), lfu, lfuda (LFU with aging) or s3fifo (default: $MOEFLUX_EVICTION "
+            "or decay)",
         ),
     ),
     (

@@ -57,6 +57,7 @@ class MissServer:
         poll_us: float,
         poll_max_us: float,
         read_ahead: bool = False,
+        eviction: str = "lru",
     ):
         self.control = control
         self.wait_timeout_s = wait_timeout_s
@@ -73,6 +74,7 @@ class MissServer:
             "socket_fd": child.fileno(),
             "store": store.spec(),
             "read_ahead": read_ahead,
+            "eviction": eviction,
             "poll_us": poll_us,
             "poll_max_us": poll_max_us,
         }

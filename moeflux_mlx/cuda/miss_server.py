@@ -7,7 +7,7 @@ until its timeout (benchmarks/probes/table_stall_probe.py saw no poll at all for
 process has its own interpreter and never imports MLX.
 
 It maps the control block and the staging buffers (shared memory, see control_block.py), opens
-the expert files itself, owns the LRU of every table layer, and loops: answer host requests
+the expert files itself, owns the eviction policy of every table layer, and loops: answer host requests
 (admit or release experts for the model process's synced calls), answer GPU requests (read the
 missing experts into the staging, pick victims, update the table and the copy list), release
 experts whose read failed once the GPU is past them, and, with prefetch, start reading the
@@ -32,7 +32,7 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-from ..cache.policy import LRUPolicy
+from ..cache.policy import POLICIES
 from ..errors import DeviceWaitError
 from ..io.store import store_from_spec
 from .control_block import (
@@ -93,8 +93,9 @@ class Server:
         self._idle.register(self.sock, select.POLLIN)
         self.poll_s = float(spec["poll_us"]) * 1e-6
         self.max_poll_s = max(self.poll_s, float(spec["poll_max_us"]) * 1e-6)
-        self.lrus = {
-            layer: LRUPolicy(t.num_experts, t.n_slots, t.slot_of, t.last_used)
+        policy = POLICIES[spec["eviction"]]
+        self.policies = {
+            layer: policy(t.num_experts, t.n_slots, t.slot_of, t.last_used)
             for layer, t in self.control.layers.items()
         }
         self.staging: Dict[int, np.ndarray] = {}  # blob size -> [rows, blob size]
@@ -146,7 +147,7 @@ class Server:
 
     def _layer(self, i: int):
         layer = self.control.order[i]
-        return layer, self.control.layers[layer], self.lrus[layer]
+        return layer, self.control.layers[layer], self.policies[layer]
 
     def take_hints(self) -> None:
         """Start reading the absent experts of every new hint (prefetch)."""
@@ -197,11 +198,11 @@ class Server:
 
     def answer_gpu(self, i: int) -> None:
         c = self.control
-        layer, t, lru = self._layer(i)
+        layer, t, policy = self._layer(i)
         seq = int(c.requests[i])
         experts = np.unique(t.request[: int(t.header[H_NREQ])])
         tick = c.clock(i) + 1  # the waiting call's tick; the GPU counts the call when done
-        missing, victims = lru.admit(experts, tick)
+        missing, victims = policy.admit(experts, tick)
         n = missing.size
         t.header[H_ERR] = 0
         try:
@@ -234,7 +235,7 @@ class Server:
             c.globals[G_ERRORS] += 1
             self.releases.append((i, int(c.ticks[i]) + 1, missing.copy()))
         finally:
-            lru.assign(missing, victims, tick)
+            policy.assign(missing, victims, tick)
             t.copy_src[:n] = np.arange(n)
             t.copy_dst[:n] = victims
             t.header[H_NCOPY] = n
@@ -242,19 +243,19 @@ class Server:
 
     def answer_host(self, i: int) -> None:
         c = self.control
-        _, t, lru = self._layer(i)
+        _, t, policy = self._layer(i)
         seq = int(c.host_requests[i])
         experts = np.array(t.host_request[: int(t.header[H_HOST_N])], np.int64)
         missing = experts[:0]
         if t.header[H_HOST_KIND] == HOST_ADMIT:
             tick = c.clock(i) + 1
-            missing, victims = lru.admit(np.unique(experts), tick)
-            lru.assign(missing, victims, tick)
+            missing, victims = policy.admit(np.unique(experts), tick)
+            policy.assign(missing, victims, tick)
             t.header[H_HOST_TICKS] += 1
             t.host_missing[: missing.size] = missing
             t.host_victims[: missing.size] = victims
         elif t.header[H_HOST_KIND] == HOST_RELEASE:
-            lru.release(experts)
+            policy.release(experts)
         t.header[H_HOST_NMISS] = missing.size
         c.host_answers[i] = seq
 
@@ -263,7 +264,7 @@ class Server:
         keep = []
         for i, call, experts in self.releases:
             if int(self.control.ticks[i]) >= call:
-                self.lrus[self.control.order[i]].release(experts)
+                self.policies[self.control.order[i]].release(experts)
                 self.control.globals[G_PENDING_RELEASE] -= 1
             else:
                 keep.append((i, call, experts))

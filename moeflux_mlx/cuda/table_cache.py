@@ -60,7 +60,7 @@ class TableCache(BudgetCache):
         staging: Optional[DeviceStaging] = None,
         prefetcher: Optional[Prefetcher] = None,
     ):
-        # the layers the table serves keep the miss server's LRU; the others take options.eviction
+        # the miss server keeps the table layers' policy, this process the others'
         super().__init__(
             store, layout, budget_bytes, staging, prefetcher, policy=POLICIES[options.eviction]
         )
@@ -76,6 +76,7 @@ class TableCache(BudgetCache):
                 options.server_poll_us,
                 options.server_poll_max_us,
                 read_ahead=options.prefetch,
+                eviction=options.eviction,
             )
         except BaseException:
             self.control.close()
