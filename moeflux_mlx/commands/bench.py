@@ -158,6 +158,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "model must have the trace's experts per layer and top-k (e.g. --set num_experts=64); "
         "the output tokens are meaningless by design",
     )
+    p.add_argument(
+        "--trace-predictor",
+        choices=("gate", "ridge"),
+        default=None,
+        help="with --routing-trace: replay from where the trace's recorded predictions start, "
+        "and hand prefetch what this predictor predicted there (gate: the next layer's router; "
+        "ridge: a linear map fitted to the model's own routing); needed for --prefetch on",
+    )
     p.add_argument("--machine", default=None, help="machine label for the results file name")
     p.add_argument(
         "--out",
@@ -195,14 +203,16 @@ def _prompt_ids(text_file: Optional[Path], model: Path, n: int) -> Optional[List
     return ids
 
 
-def _replayed_routing(trace_path: Optional[Path], prefetch):
+def _replayed_routing(trace_path: Optional[Path], prefetch, predictor: Optional[str] = None):
     """``run_benchmark``'s ``prepare`` hook for ``--routing-trace`` (None: models as loaded)."""
     if trace_path is None:
+        if predictor is not None:
+            raise UsageError("--trace-predictor replays a trace's predictions: add --routing-trace")
         return None
-    if any(prefetch):
+    if any(prefetch) and predictor is None:
         raise UsageError(
             "--routing-trace replaces the routers that prefetch predicts from: use --prefetch "
-            "off (benchmarks/cache_policy.py measures predictors on the trace itself)"
+            "off, or --trace-predictor gate|ridge to prefetch what the trace's predictor predicted"
         )
     trace = load_trace(trace_path)
     say(
@@ -210,7 +220,7 @@ def _replayed_routing(trace_path: Optional[Path], prefetch):
         f"{len(trace.layers)} layers, {trace.num_experts[0]} experts, top-{trace.top_k}): "
         "the output tokens are meaningless by design."
     )
-    return lambda model: drive_routing(model, trace, trace_path)
+    return lambda model: drive_routing(model, trace, trace_path, predictor)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -244,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
         model, stock_path = packed, model
     out = Path(args.out).expanduser()
     prefetch = {"off": (False,), "on": (True,), "both": (False, True)}[args.prefetch]
-    prepare = _replayed_routing(args.routing_trace, prefetch)
+    prepare = _replayed_routing(args.routing_trace, prefetch, args.trace_predictor)
     result = run_benchmark(
         model,
         budgets=budgets,
@@ -260,6 +270,7 @@ def run(args: argparse.Namespace) -> int:
         prepare=prepare,
     )
     result["routing_trace"] = str(args.routing_trace) if args.routing_trace else None
+    result["trace_predictor"] = args.trace_predictor
     print(format_table(result))
     for line in summary_lines(result):
         print(line)
