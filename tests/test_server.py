@@ -14,10 +14,20 @@ from pathlib import Path
 
 import mlx_lm.server as mlx_server
 import pytest
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
 
+import moeflux_mlx
 from moeflux_mlx import cli
+from moeflux_mlx.commands import server as server_command
 from moeflux_mlx.commands.common import load_options
-from moeflux_mlx.commands.server import StreamingModelProvider, has_routed_experts
+from moeflux_mlx.commands.server import (
+    PromptLookup,
+    StreamingModelProvider,
+    has_routed_experts,
+    lookup_stream_generate,
+)
 from moeflux_mlx.format.convert import convert
 from moeflux_mlx.testing import synth
 
@@ -75,6 +85,15 @@ def _stop(proc):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(STOP_TIMEOUT)
+
+
+def _start(packed, port, log, *extra):
+    """``moeflux-mlx server`` on ``packed`` in a process of its own, its output in ``log``."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+    command = [sys.executable, "-m", "moeflux_mlx.cli", "server", "--model", str(packed)]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--verbose", *extra]
+    with open(log, "w") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 def test_server_chat_completion(packed, tmp_path):
@@ -183,3 +202,139 @@ def test_server_flags_cover_what_mlx_lm_server_reads():
     missing = sorted(read - set(vars(args)))
     assert not missing, f"flags mlx_lm.server reads but moeflux-mlx server lacks: {missing}"
     assert args.chat_template_args == {} and args.allowed_origins == ["*"]  # as mlx-lm parses them
+    assert args.prompt_lookup == 0  # moeflux-mlx's own: prompt lookup off unless asked for
+    args = _server_args("m", "--prompt-lookup", "3", "--ngram", "2")
+    assert (args.prompt_lookup, args.ngram) == (3, 2)
+
+
+# --------------------------------------------------------------------------- --prompt-lookup
+TEXT = "the quick brown fox jumps over the lazy dog " * 3  # repeats: drafts get accepted
+
+
+def test_lookup_stream_generate_is_stream_generate(packed):
+    """What mlx_lm.server's ``_serve_single`` passes, with a ``PromptLookup`` as the draft model:
+    the responses of plain ``stream_generate``, the cache left as it leaves it (prompt and every
+    reply token: the server saves it under them), to the end and when stopped early."""
+    model, tokenizer = moeflux_mlx.load(packed, backend="ops", cache_budget=0.25)
+    prompt = tokenizer.encode(TEXT)
+    with model.moeflux:
+        for stop_after in (None, 5):
+            runs = []
+            for draft in (None, PromptLookup(3)):
+                cache, progress = make_prompt_cache(model), []
+                responses = lookup_stream_generate(
+                    model,
+                    tokenizer,
+                    prompt,
+                    max_tokens=30,
+                    draft_model=draft,
+                    stream=generation_stream,
+                    sampler=make_sampler(0.0),
+                    logits_processors=[],
+                    prompt_cache=cache,
+                    num_draft_tokens=4,
+                    input_embeddings=None,
+                    prompt_progress_callback=lambda *a, out=progress: out.append(a),
+                    prefill_step_size=32,
+                    kv_bits=None,
+                    kv_group_size=64,
+                    quantized_kv_start=5000,
+                )
+                got = []
+                for r in responses:
+                    got.append((r.text, r.token, r.finish_reason, r.from_draft))
+                    if len(got) == stop_after:
+                        break
+                responses.close()
+                runs.append((got, cache[0].offset, progress))
+            (plain, plain_offset, plain_progress), (got, offset, progress) = runs
+            assert [g[:3] for g in got] == [g[:3] for g in plain]
+            assert offset == plain_offset == len(prompt) + len(got)
+            assert progress == plain_progress and progress[-1] == (len(prompt), len(prompt))
+            if stop_after is None:
+                assert any(g[3] for g in got)  # drafts were accepted
+
+
+def test_lookup_stream_generate_falls_back_where_lookup_cannot_serve(packed, monkeypatch):
+    calls = []
+    monkeypatch.setattr(server_command, "mlx_stream_generate", lambda *a, **kw: calls.append(kw))
+    lookup = PromptLookup(3)
+    lookup_stream_generate("model", "tok", [1, 2], draft_model=lookup, prompt_cache=None)
+    lookup_stream_generate("model", "tok", [], draft_model=lookup, prompt_cache=[])
+    lookup_stream_generate("model", "tok", [1], draft_model=lookup, input_embeddings="images")
+    assert len(calls) == 3 and all("draft_model" not in kw for kw in calls)
+    lookup.prompt = [5, 6, 7, 8]
+    assert lookup.context([7, 8]) == [5, 6] and lookup.context([9]) == []
+
+
+def test_server_prompt_lookup_replies_as_without_it(packed, tmp_path):
+    """Two servers side by side, one drafting by prompt lookup: the same greedy replies, to a
+    first request and to a second turn that the prompt cache serves in part."""
+    procs, bases = {}, {}
+    for name, extra in (("plain", []), ("lookup", ["--prompt-lookup", "4", "--ngram", "3"])):
+        port = _free_port()
+        bases[name] = f"http://127.0.0.1:{port}"
+        procs[name] = _start(packed, port, tmp_path / f"{name}.log", "--max-tokens", "24", *extra)
+    replies = {}
+    try:
+        for name, proc in procs.items():
+            _wait_ready(proc, bases[name])
+        for name, base in bases.items():
+            messages = [{"role": "user", "content": TEXT}]
+            texts = []
+            for _ in range(2):
+                status, body = _post(
+                    f"{base}/v1/chat/completions", {"temperature": 0, "messages": messages}
+                )
+                assert status == 200
+                texts.append(json.loads(body)["choices"][0]["message"]["content"])
+                messages += [
+                    {"role": "assistant", "content": texts[-1]},
+                    {"role": "user", "content": "again: " + TEXT},
+                ]
+            status, body = _post(
+                f"{base}/v1/completions", {"temperature": 0, "prompt": TEXT, "max_tokens": 20}
+            )
+            texts.append(json.loads(body)["choices"][0]["text"])
+            replies[name] = texts
+    finally:
+        for proc in procs.values():
+            _stop(proc)
+    logs = {name: (tmp_path / f"{name}.log").read_text() for name in procs}
+    assert replies["lookup"] == replies["plain"] and all(replies["plain"]), logs
+    drafts = re.findall(
+        r"prompt lookup: draft tokens: (\d+) proposed, (\d+) accepted", logs["lookup"]
+    )
+    assert len(drafts) == 3 and sum(int(a) for _, a in drafts) > 0, logs["lookup"]
+    assert "prompt lookup" not in logs["plain"]
+    assert all(proc.returncode == 0 for proc in procs.values()), logs
+
+
+def test_server_prompt_lookup_provider(packed, monkeypatch):
+    args = _server_args(packed, "--prompt-lookup", "2")
+    provider = StreamingModelProvider(args, load_options(args))
+    model, _ = provider.load("default_model")
+    try:
+        assert isinstance(provider.draft_model, PromptLookup) and not provider.is_batchable
+    finally:
+        model.moeflux.close()
+    # a model whose KV cache cannot be trimmed (recurrent layers): refused in one line
+    monkeypatch.setattr(server_command, "can_trim_prompt_cache", lambda cache: False)
+    provider = StreamingModelProvider(args, load_options(args))
+    with pytest.raises(server_command.UsageError, match="--prompt-lookup needs a KV cache"):
+        provider.load("default_model")
+    assert provider.model is None
+
+
+def test_server_prompt_lookup_refusals(packed, capsys, monkeypatch):
+    base = ["server", "--model", str(packed), "--port", "0", "--prompt-lookup", "2"]
+    assert cli.main(base + ["--draft-model", str(packed)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--prompt-lookup and --draft-model" in err, err
+    monkeypatch.setattr(server_command, "distributed", lambda: object())  # as under mlx.launch
+    assert cli.main(base) == 2
+    err = capsys.readouterr().err
+    assert "--prompt-lookup: not supported under mlx.launch" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as e:
+        cli.main(base[:-1] + ["-1"])
+    assert e.value.code == 2 and "--prompt-lookup" in capsys.readouterr().err

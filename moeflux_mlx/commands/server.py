@@ -19,6 +19,12 @@ when a write fails; a non-streamed reply writes nothing until the end, so the ha
 the connection between tokens); ``GET /v1/models`` lists the served model even where no Hugging
 Face cache folder exists (mlx-lm's scan of that cache raises there), and ``GET /v1/models/ID``
 returns one model.
+
+With ``--prompt-lookup K`` the provider's draft model is a ``PromptLookup``, which holds no
+weights: being a draft model, it makes mlx-lm serve each request alone (not batched) through
+``stream_generate``, and ``serve`` makes mlx_lm.server's ``stream_generate`` one that sends such
+requests to ``stream_lookup_generate`` (``lookup_stream_generate``). Greedy replies are the
+tokens of decoding without it.
 """
 
 from __future__ import annotations
@@ -39,12 +45,13 @@ import time
 import urllib.parse
 from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import mlx.core as mx
 import mlx_lm
 import mlx_lm.server as mlx_server
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.generate import stream_generate as mlx_stream_generate
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 from mlx_lm.processors import load_processor
 from mlx_lm.utils import load_config, maybe_set_recommended_wired_limit
 
@@ -53,11 +60,17 @@ from ..format.checkpoint import EXPERT_KEY, is_packed, read_config
 from ..format.safetensors import index_directory
 from ..io.store import open_store
 from ..model.load import load
+from ..model.lookup_decoding import (
+    DEFAULT_NUM_DRAFT_TOKENS,
+    LookupStats,
+    stream_lookup_generate,
+)
 from ..model.sharded import sharded_load
 from ..options import LoadOptions
 from .common import (
     UsageError,
     add_load_args,
+    add_lookup_args,
     add_model_arg,
     command_parser,
     distributed,
@@ -77,7 +90,8 @@ The options after the streaming ones are mlx_lm.server's, with its defaults.
 
 Endpoints (mlx-lm): POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health.
 A request for more than --max-tokens-limit tokens is refused (400). Generation stops when the
-client disconnects.
+client disconnects. With --prompt-lookup K requests are served one at a time (not batched), each
+drafting up to K tokens (a request's num_draft_tokens overrides K).
 """
 
 
@@ -179,15 +193,137 @@ def has_routed_experts(path: Path) -> bool:
     return bool(find_stacked_experts(shapes))
 
 
+class PromptLookup:
+    """Prompt-lookup drafting, kept where mlx-lm's server keeps a draft model
+    (``ModelProvider.draft_model``); it holds no weights and no cache.
+
+    A draft model makes mlx-lm serve each request alone through ``stream_generate``, which
+    ``lookup_stream_generate`` sends to ``stream_lookup_generate`` for this one. ``prompt`` is the
+    whole prompt of the request being served (``StreamingResponseGenerator`` sets it), since
+    ``stream_generate`` gets only the part the prompt cache lacks and drafts come from all of it.
+    """
+
+    def __init__(self, ngram_max: int):
+        self.ngram_max = ngram_max
+        self.prompt: List[int] = []
+
+    def make_cache(self) -> list:
+        """Returns: ``[]``: mlx-lm appends a draft model's cache to the model's; none here."""
+        return []
+
+    def context(self, rest: List[int]) -> List[int]:
+        """The tokens of ``prompt`` before ``rest``, searched for drafts (not fed to the model).
+
+        Args:
+            rest: What ``stream_generate`` was given: the tail of ``prompt`` not in the cache.
+
+        Returns:
+            The rest of ``prompt`` (what the cache holds), or ``[]`` where ``rest`` is not its
+            tail.
+        """
+        n = len(self.prompt) - len(rest)
+        return list(self.prompt[:n]) if n >= 0 and list(self.prompt[n:]) == list(rest) else []
+
+
+# what lookup_generate_step takes of what mlx_lm.server passes to stream_generate
+_LOOKUP_KEYWORDS = {
+    "sampler",
+    "logits_processors",
+    "prompt_cache",
+    "prefill_step_size",
+    "kv_bits",
+    "kv_group_size",
+    "quantized_kv_start",
+    "prompt_progress_callback",
+    "stream",
+}
+
+
+def lookup_stream_generate(model, tokenizer, prompt, max_tokens=256, draft_model=None, **kwargs):
+    """mlx-lm's ``stream_generate``, as mlx_lm.server calls it, with prompt-lookup speculation
+    where the draft model is a ``PromptLookup``.
+
+    Such a request falls back to plain decoding (without the draft) where lookup cannot serve
+    it: image embeddings, an empty prompt (mlx-lm's own error then), a cache that cannot be
+    trimmed (a full rotating cache), or a keyword a newer mlx-lm passes that lookup lacks.
+
+    Args:
+        model: The served model.
+        tokenizer: Its tokenizer.
+        prompt: The prompt's tokens not yet in ``kwargs["prompt_cache"]``.
+        max_tokens: The most tokens to generate.
+        draft_model: mlx-lm's draft model, a ``PromptLookup``, or None.
+        **kwargs: The rest of what mlx_lm.server passes (``num_draft_tokens``, ``sampler``,
+            ``prompt_cache``, ...).
+
+    Returns:
+        A generator of mlx-lm ``GenerationResponse``s; after a lookup reply (ended or closed),
+        the prompt cache holds the prompt and every token of the reply, as after
+        ``stream_generate``, which is what mlx_lm.server saves it under.
+    """
+    if not isinstance(draft_model, PromptLookup):
+        return mlx_stream_generate(
+            model, tokenizer, prompt, max_tokens=max_tokens, draft_model=draft_model, **kwargs
+        )
+    num_draft_tokens = kwargs.pop("num_draft_tokens", None)
+    if num_draft_tokens is None:
+        num_draft_tokens = DEFAULT_NUM_DRAFT_TOKENS
+    cache = kwargs.get("prompt_cache")
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _LOOKUP_KEYWORDS)
+    if unknown or len(prompt) == 0 or cache is None or not can_trim_prompt_cache(cache):
+        if unknown:  # input_embeddings (images), or what a newer mlx-lm passes
+            log.info("prompt lookup not used for this request (it takes no %s)", ", ".join(unknown))
+        return mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs)
+    stats = LookupStats()
+    responses = stream_lookup_generate(
+        model,
+        tokenizer,
+        prompt,
+        max_tokens=max_tokens,
+        num_draft_tokens=num_draft_tokens,
+        ngram_max=draft_model.ngram_max,
+        context=draft_model.context(list(prompt)),
+        stats=stats,
+        cache_last_token=True,
+        **{k: v for k, v in kwargs.items() if k in _LOOKUP_KEYWORDS},
+    )
+    return _logged(responses, stats)
+
+
+def _logged(responses, stats: LookupStats):
+    """``responses``, then one log line of the request's drafts (also when stopped early)."""
+    try:
+        yield from responses
+    finally:
+        responses.close()
+        log.info("prompt lookup: %s", stats.summary())
+
+
 class StreamingModelProvider(mlx_server.ModelProvider):
     """mlx-lm's ``ModelProvider``, loading checkpoints with routed experts through
-    ``moeflux_mlx.load`` with ``options``; other checkpoints as mlx-lm does."""
+    ``moeflux_mlx.load`` with ``options``; other checkpoints as mlx-lm does. With
+    ``--prompt-lookup`` (``cli_args.prompt_lookup``), a model loaded without a draft model gets a
+    ``PromptLookup`` as its draft model."""
 
     def __init__(self, cli_args: argparse.Namespace, options: LoadOptions):
         super().__init__(cli_args)
         self.options = options
 
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
+        self._load_checkpoint(model_path, adapter_path, draft_model_path)
+        if getattr(self.cli_args, "prompt_lookup", 0) and self.draft_model is None:
+            cache = make_prompt_cache(self.model)
+            if not can_trim_prompt_cache(cache):
+                kinds = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
+                self.reset()
+                raise UsageError(
+                    f"{model_path}: --prompt-lookup needs a KV cache that can be trimmed; this "
+                    f"model's has {', '.join(kinds)} layers"
+                )
+            self.draft_model = PromptLookup(self.cli_args.ngram)
+            self.is_batchable = False  # as with any draft model: each request served alone
+
+    def _load_checkpoint(self, model_path, adapter_path=None, draft_model_path=None):
         path = resolve_model(str(model_path))
         if not has_routed_experts(path):
             log.warning("%s has no routed experts: loading it with mlx_lm.load", path)
@@ -227,6 +363,18 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         self.is_batchable = draft_model is None and all(
             hasattr(c, "merge") for c in make_prompt_cache(model)
         )
+
+
+class StreamingResponseGenerator(mlx_server.ResponseGenerator):
+    """mlx-lm's ``ResponseGenerator``; with prompt lookup, it gives the ``PromptLookup`` each
+    request's whole prompt (``stream_generate`` gets only the part the prompt cache lacks)."""
+
+    def _tokenize(self, tokenizer, request, args):
+        out = super()._tokenize(tokenizer, request, args)
+        draft = self.model_provider.draft_model
+        if isinstance(draft, PromptLookup):
+            draft.prompt = list(out[0])
+        return out
 
 
 class ClientGone(ConnectionAbortedError):
@@ -473,16 +621,20 @@ def serve(
             args.host,
         )
     provider = StreamingModelProvider(args, options)
+    plain_stream_generate = mlx_server.stream_generate
     try:
         maybe_set_recommended_wired_limit()
         _load_now(provider, args)
+        # mlx_lm.server calls stream_generate for requests it serves alone: this one sends those
+        # whose draft model is a PromptLookup to prompt lookup, the rest to mlx-lm's own
+        mlx_server.stream_generate = lookup_stream_generate
         host, port = httpd.server_address[:2]
         say(
             f"Serving {args.model} on http://{host}:{port}/v1 (mlx-lm server, experts streamed; "
             f"max_tokens up to {max_tokens_limit or 'any'}; Ctrl-C stops)"
         )
         prompt_cache = mlx_server.LRUPromptCache(args.prompt_cache_size)
-        holder["responses"] = responses = mlx_server.ResponseGenerator(provider, prompt_cache)
+        holder["responses"] = responses = StreamingResponseGenerator(provider, prompt_cache)
         try:
             httpd.serve_forever()
         except KeyboardInterrupt:
@@ -492,6 +644,7 @@ def serve(
             responses.stop_and_join()
             _wait_for_native_exit(getattr(responses, "_generation_thread", None))
     finally:
+        mlx_server.stream_generate = plain_stream_generate
         httpd.server_close()
         model = provider.model
         if model is not None and hasattr(model, "moeflux"):
@@ -581,9 +734,25 @@ def run(args: argparse.Namespace) -> int:
             "(serve it with mlx_lm.server)"
         )
     options = load_options(args)
+    if args.prompt_lookup and args.draft_model is not None:
+        raise UsageError(
+            "--prompt-lookup and --draft-model are two ways to draft tokens: give one of them"
+        )
     group = distributed()  # under mlx.launch: rank 0 serves, every process holds its share
-    if group is not None and (args.draft_model or args.adapter_path):
-        raise UsageError("--draft-model and --adapter-path do not run under mlx.launch")
+    if group is not None:
+        given = [
+            flag
+            for flag, value in (
+                ("--draft-model", args.draft_model),
+                ("--adapter-path", args.adapter_path),
+                ("--prompt-lookup", args.prompt_lookup),
+            )
+            if value
+        ]
+        if given:
+            raise UsageError(f"{' and '.join(given)}: not supported under mlx.launch")
+    if args.prompt_lookup:  # requests that do not say num_draft_tokens draft K tokens
+        args.num_draft_tokens = args.prompt_lookup
     if args.draft_model is not None:
         args.draft_model = str(resolve_model(args.draft_model))
     # the expert files are checked here, in one line, before the port is taken (under
@@ -626,6 +795,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "max_position_embeddings of config.json)",
     )
     add_load_args(parser)
+    add_lookup_args(parser)
     group = parser.add_argument_group("mlx_lm.server's options")
     for flag, kwargs in MLX_SERVER_FLAGS:
         group.add_argument(flag, **kwargs)

@@ -136,6 +136,8 @@ def lookup_generate_step(
     kv_group_size: int = 64,
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
     stats: Optional[LookupStats] = None,
+    prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
+    cache_last_token: bool = False,
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Generate tokens with prompt-lookup speculation; yields as
     ``mlx_lm.generate.speculative_generate_step`` does.
@@ -158,13 +160,20 @@ def lookup_generate_step(
         kv_group_size: Group size of the quantized KV cache.
         quantized_kv_start: Cache length from which the KV cache is quantized.
         stats: Updated in place with the draft tokens proposed and accepted.
+        prompt_progress_callback: Called with (prompt tokens processed, prompt tokens) as the
+            prompt is prefilled, as ``generate_step`` calls it.
+        cache_last_token: When the generator ends or is closed, also feed the last yielded
+            token to the model (one more forward pass, of one token), so that the cache holds
+            every yielded token, as ``generate_step``'s does: mlx-lm's server saves the cache
+            under the prompt and every token of the reply.
 
     Returns:
         A generator of ``(token, logprobs, from_draft)``: the token id, the model's
         log-probabilities for that position (1-D, over the vocabulary), and whether the token
         was a draft the model accepted. When the generator ends or is closed, the cache holds
         ``context``, ``prompt`` and every yielded token but the last (as after
-        ``speculative_generate_step``).
+        ``speculative_generate_step``); with ``cache_last_token``, the last as well (not
+        after an error).
 
     Raises:
         OptionError: a negative ``num_draft_tokens``, bad n-gram bounds, an empty prompt, or a
@@ -188,6 +197,7 @@ def lookup_generate_step(
         )
     sampler = sampler or greedy_sampler
     stats = stats if stats is not None else LookupStats()
+    progress = prompt_progress_callback or (lambda *_: None)
     quantize_cache_fn = functools.partial(
         maybe_quantize_kv_cache,
         quantized_kv_start=quantized_kv_start,
@@ -223,9 +233,12 @@ def lookup_generate_step(
 
     in_cache = len(known.tokens) - len(prompt_ids)  # tokens of ``known`` the cache holds
     yielded = 0
+    ended = False  # finished or closed by the caller, not stopped by an error
+    total = len(prompt_ids)
     with mx.stream(stream):
         try:
             # the prompt but its last token, in chunks as generate_step feeds it
+            progress(0, total)
             rest = prompt_ids
             while len(rest) > 1:
                 n = min(prefill_step_size, len(rest) - 1)
@@ -234,6 +247,7 @@ def lookup_generate_step(
                 mx.eval([c.state for c in prompt_cache])
                 in_cache += n
                 rest = rest[n:]
+                progress(total - len(rest), total)
                 mx.clear_cache()
 
             while max_tokens < 0 or yielded < max_tokens:
@@ -242,6 +256,8 @@ def lookup_generate_step(
                 draft = known.draft(min(num_draft_tokens, left - 1))
                 tokens, logprobs = verify(known.tokens[-1:] + draft)
                 in_cache += 1 + len(draft)
+                if yielded == 0:  # the first pass ended the prompt
+                    progress(total, total)
                 stats.steps += 1
                 stats.proposed += len(draft)
                 n = 0
@@ -258,11 +274,19 @@ def lookup_generate_step(
                     yield tokens[i], logprobs[i], i < n
                 if stats.steps % 256 == 0:
                     mx.clear_cache()
+            ended = True
+        except GeneratorExit:
+            ended = True
+            raise
         finally:
             # whatever the caller saw: the cache holds every yielded token but the last
             extra = in_cache - (len(known.tokens) - 1)
             if extra > 0:
                 trim_prompt_cache(prompt_cache, extra)
+            if cache_last_token and ended and yielded:
+                model(mx.array(known.tokens[-1:], mx.uint32)[None], cache=prompt_cache)
+                quantize_cache_fn(prompt_cache)
+                mx.eval([c.state for c in prompt_cache])
 
 
 def stream_lookup_generate(
