@@ -12,7 +12,17 @@
 # kernel backends, and the kernels through the table: the lookup alone, paired) decoding in turn,
 # ROUNDS times. A fresh machine first spends minutes in
 # NVRTC compiling kernels (docs/benchmarks.md, known problems): BENCH_TIMEOUT covers that.
+#
+# ROUTING="policy prefetch ops spec prefill dist compare" runs the real-routing parts instead
+# (the others then default to off): the trained demo's routing replayed over Qwen3-30B-A3B-sized
+# experts (64 per layer, 8 layers, converted, pread, 25% cold) under LRU vs the default policy,
+# prefetch of the trace's recorded ridge / gate predictions, the ops backend's tokens against
+# stock, prompt-lookup speculation and prefill at 25% (benchmarks/speculation.py, prefill.py),
+# two ranks on the one GPU (tests/test_distributed.py, and NCCL), and `compare`'s KL rule.
 set -u
+if [ -n "${ROUTING:-}" ]; then
+  : "${TESTS:=0}" "${MAIN:=0}" "${OVERLAP:=0}" "${PREFETCH:=0}" "${DISK:=0}" "${POLL:=0}"
+fi
 LAYERS=${1:-8}
 ROUNDS=${2:-3}
 TOKENS=${3:-64}
@@ -63,4 +73,52 @@ synth.build_checkpoint(Path('$MODEL'), 'qwen3_moe', 'full', overrides={'num_hidd
   timeout "${POLL_TIMEOUT:-300}" python3 benchmarks/probes/host_probe.py "$MODEL" --rounds "$ROUNDS" \
     --poll-max-us 20,1000 > "$OUT/host_probe.txt" 2>&1
   echo "host probe:"; grep -v transformers "$OUT/host_probe.txt" | tail -12
+fi
+
+part() { case " ${ROUTING:-} " in *" $1 "*) return 0;; esac; return 1; }
+TRACE=benchmarks/results/traces/2026-11-25-trained-text.npz
+ROUTED=(python3 benchmarks/decode.py --arch qwen3_moe --size full --layers 8 --set num_experts=64
+        --build-dir /tmp/bench-models --convert --io pread --routing-trace "$TRACE"
+        --prompt-tokens 128 --decode-tokens "${ROUTED_TOKENS:-128}" --budgets 0.25)
+if part policy; then  # LRU vs the default (decay), same replayed positions, cold
+  for ev in lru decay; do
+    MOEFLUX_EVICTION=$ev timeout 300 "${ROUTED[@]}" --trace-predictor ridge --prefetch off \
+      --no-stock --machine "policy-$ev" --out "$OUT/policy" > "$OUT/policy_$ev.txt" 2>&1
+    echo "policy $ev:"; grep -E "^\| moeflux" "$OUT/policy_$ev.txt"
+  done
+fi
+if part prefetch; then  # prefetch of what the trained model's predictors predicted
+  for pred in ridge gate; do
+    timeout 300 "${ROUTED[@]}" --trace-predictor "$pred" --prefetch on --no-stock \
+      --machine "prefetch-$pred" --out "$OUT/prefetch" > "$OUT/prefetch_$pred.txt" 2>&1
+    echo "prefetch $pred:"; grep -E "^\| moeflux" "$OUT/prefetch_$pred.txt"
+  done
+fi
+if part ops; then  # are the kernels' token flips rounding? the ops path against stock
+  timeout 300 "${ROUTED[@]}" --trace-predictor ridge --prefetch off --bench-backend ops \
+    --machine ops --out "$OUT/ops" > "$OUT/ops.txt" 2>&1
+  echo "ops:"; grep -E "^\| |identical" "$OUT/ops.txt"
+fi
+if part spec; then  # prompt lookup on the demo model, 25% cold and all resident
+  timeout 420 python3 benchmarks/speculation.py --budgets 0.25,1 --cold --expert-io pread \
+    --repeats 3 --out "$OUT/spec" > "$OUT/spec.txt" 2>&1
+  echo "speculation:"; grep -E "^\|" "$OUT/spec.txt" | tail -10
+fi
+if part prefill; then  # a 512-token prompt at 25%, warm page cache, against stock
+  timeout 420 python3 benchmarks/prefill.py --arch qwen3_moe --size full --layers 8 \
+    --set num_experts=64 --build-dir /tmp/bench-models --convert --routing-trace "$TRACE" \
+    --prompt-tokens 512 --budgets 0.25 --repeats 3 --out "$OUT/prefill" > "$OUT/prefill.txt" 2>&1
+  echo "prefill:"; grep -E "^\|" "$OUT/prefill.txt" | tail -8
+fi
+if part dist; then  # two ranks on the one GPU: the ring backend, then NCCL
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py \
+    > "$OUT/dist_tests.txt" 2>&1
+  echo "distributed tests: $(tail -1 "$OUT/dist_tests.txt")"
+  grep -E "^(FAILED|ERROR)" "$OUT/dist_tests.txt" | head
+  timeout 180 bash benchmarks/probes/gpu_ranks.sh > "$OUT/gpu_ranks.txt" 2>&1
+  echo "ranks on one GPU:"; tail -30 "$OUT/gpu_ranks.txt"
+fi
+if part compare; then  # the demo model against stock on the GPU, KL rule
+  timeout 300 python3 -m moeflux_mlx.cli compare > "$OUT/compare.txt" 2>&1
+  echo "compare: rc $?"; tail -12 "$OUT/compare.txt"
 fi
