@@ -15,6 +15,8 @@ Plain Python: the miss server process imports it without MLX.
     MOEFLUX_WAIT_TIMEOUT_S       wait_timeout_s  how long the GPU waits for the miss server (> 0)
     MOEFLUX_SERVER_POLL_US       server_poll_us  the miss server's poll interval after a request
     MOEFLUX_SERVER_POLL_MAX_US   server_poll_max_us  ... growing to this while no request comes
+    MOEFLUX_PREFILL_WHOLE_LAYER  prefill_whole_layer  rows per expert from which a prefill reads its
+                                                      whole layer without a host sync (0: never)
 
 Cache budgets (``parse_budget``): ``"all"``, ``0``, a fraction of RAM in (0, 1] (``0.25``), or a
 size with a unit: ``B``, SI ``kB`` ``MB`` ``GB`` ``TB`` (powers of 1000) or binary ``KiB`` ``MiB``
@@ -93,7 +95,11 @@ ENVIRONMENT: Dict[str, Tuple[str, Callable[[str], Any]]] = {
     "wait_timeout_s": ("MOEFLUX_WAIT_TIMEOUT_S", _number(0, strict_minimum=True)),
     "server_poll_us": ("MOEFLUX_SERVER_POLL_US", _number(0, strict_minimum=False)),
     "server_poll_max_us": ("MOEFLUX_SERVER_POLL_MAX_US", _number(0, strict_minimum=False)),
+    "prefill_whole_layer": ("MOEFLUX_PREFILL_WHOLE_LAYER", _number(0, strict_minimum=False)),
 }
+# a call routing at least this many (token, expert) rows per expert of its layer names nearly
+# every expert (1 - e^-4 = 98% at uniform routing): reading the whole layer costs few extra bytes
+DEFAULT_PREFILL_WHOLE_LAYER = 4.0
 
 
 def _positive_int(value) -> int:
@@ -118,6 +124,7 @@ _ARGUMENTS: Dict[str, Callable[[Any], Any]] = {
     "wait_timeout_s": ENVIRONMENT["wait_timeout_s"][1],
     "server_poll_us": ENVIRONMENT["server_poll_us"][1],
     "server_poll_max_us": ENVIRONMENT["server_poll_max_us"][1],
+    "prefill_whole_layer": ENVIRONMENT["prefill_whole_layer"][1],
 }
 
 
@@ -144,6 +151,12 @@ class LoadOptions:
         wait_timeout_s: how long the GPU waits for the miss server before it gives up.
         server_poll_us, server_poll_max_us: the miss server's poll interval after a request, and
             the cap it grows to while no request comes.
+        prefill_whole_layer: a call on a layer with fewer slots than experts (a prefill at a
+            small budget) that routes at least this many (token, expert) rows per expert of the
+            layer reads the whole layer into a pool of its own and computes from it without a
+            host sync, so the model's graph stays lazy as stock mlx-lm's (the last layer's
+            unused outputs are never computed) and each layer's reads overlap the previous
+            layer's computation; 0: never (one host sync per call, only the routed experts).
         table_every_layer: benchmarks only: fully cached layers are looked up through the
             device-side table too, to measure what the lookup itself costs.
     """
@@ -159,6 +172,7 @@ class LoadOptions:
     wait_timeout_s: float = 60.0
     server_poll_us: float = 20.0
     server_poll_max_us: float = 1000.0
+    prefill_whole_layer: float = DEFAULT_PREFILL_WHOLE_LAYER
     table_every_layer: bool = False
 
     @classmethod

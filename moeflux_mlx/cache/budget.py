@@ -47,10 +47,10 @@ def slots_per_layer(layout: ModelLayout, budget_bytes: int) -> Dict[int, int]:
 class BudgetCache(HostSyncCache):
     """Slot pools under a byte budget, split over layers by their size; eviction by ``policy``.
 
-    ``staging``: device slot writes (CUDA), else host writes. ``prefetcher``: see
-    ``HostSyncCache``."""
+    ``staging``: device slot writes (CUDA), else host writes. ``prefetcher``,
+    ``prefill_whole_layer``: see ``HostSyncCache``."""
 
-    name = "lru"
+    name = "decay"  # the eviction policy's name (set per instance)
 
     def __init__(
         self,
@@ -60,16 +60,19 @@ class BudgetCache(HostSyncCache):
         staging: Optional[DeviceStaging] = None,
         prefetcher: Optional[Prefetcher] = None,
         policy: Type[EvictionPolicy] = LRUPolicy,
+        prefill_whole_layer: Optional[float] = None,
     ):
-        super().__init__(store, prefetcher)
+        super().__init__(store, prefetcher, prefill_whole_layer, staging)
         self.budget_bytes = budget_bytes
         self.n_slots = slots_per_layer(layout, budget_bytes)
         self.policy_class = policy
+        self.name = policy.name
         self.staging = staging
         self.pools: Dict[int, SlotPool] = {}  # allocated on a layer's first use
         self.policies: Dict[int, EvictionPolicy] = {}  # partially cached layers kept here
         self.resident: Dict[int, ExpertPool] = {}
-        self.overflow = StagingCache(store, staging, prefetcher)
+        # synced calls routing more experts than slots; never whole-layer reads (this cache's own)
+        self.overflow = StagingCache(store, staging, prefetcher, prefill_whole_layer=0)
 
     @property
     def capacity_bytes(self) -> int:
@@ -77,6 +80,9 @@ class BudgetCache(HostSyncCache):
 
     def resident_pool(self, layer: int) -> Optional[ExpertPool]:
         return self.resident.get(layer)
+
+    def slot_count(self, layer: int) -> int:
+        return self.n_slots[layer]
 
     def slot_of(self, layer: int) -> Optional[np.ndarray]:
         """expert -> slot (-1: absent) of a partially cached layer, once it was used."""

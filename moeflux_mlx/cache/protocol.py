@@ -22,7 +22,7 @@ Predictor = Callable[[int, mx.array, int], Optional[Tuple[int, mx.array]]]
 
 
 class ExpertCache(Protocol):
-    name: str  # "staging", "lru" or "table": what answers lookups
+    name: str  # "staging", the eviction policy's name ("decay", "lru", ...) or "table"
     predictor: Optional[Predictor]  # set by the runtime when prefetch is on
 
     def lookup(

@@ -19,7 +19,8 @@ class StagingCache(HostSyncCache):
 
     One pool per layout serves every layer (a layer's reads finish before the next layer
     writes); a call needing more than ``STAGING_KEEP_BYTES`` of slots (prefill) gets a pool of
-    its own that is not kept. ``staging``: device slot writes (CUDA), else host writes."""
+    its own that is not kept. ``staging``: device slot writes (CUDA), else host writes.
+    ``prefill_whole_layer``: see ``HostSyncCache`` (a prefill reads its whole layer unsynced)."""
 
     name = "staging"
 
@@ -28,9 +29,9 @@ class StagingCache(HostSyncCache):
         store: ExpertStore,
         staging: Optional[DeviceStaging] = None,
         prefetcher: Optional[Prefetcher] = None,
+        prefill_whole_layer: Optional[float] = None,
     ):
-        super().__init__(store, prefetcher)
-        self.staging = staging
+        super().__init__(store, prefetcher, prefill_whole_layer, staging)
         self.pools: Dict[str, SlotPool] = {}  # by layout: layers of one shape share a pool
         self._keys: Dict[int, str] = {}
 

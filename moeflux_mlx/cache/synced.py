@@ -5,6 +5,16 @@ Writing a slot that a not-yet-evaluated computation still reads would change tha
 answer. So every computation that reads a writable pool is enqueued at once
 (``computed`` -> ``mx.async_eval``), and writes only follow a host sync on work enqueued later on
 the same in-order stream: a pool never changes under a pending read.
+
+A call on a layer with fewer slots than experts that routes many rows per expert (a prefill at a
+small budget: ``prefill_whole_layer``) skips the host sync instead: it reads the whole layer
+into a pool of its own that nothing ever writes again, and its router indices are the slots.
+The model's graph then stays lazy, as stock mlx-lm's: outputs nobody asks for (the last layer's,
+in a prefill chunk) are never computed, where a host sync per layer and ``mx.async_eval`` of every
+output forced them. Memory stays bounded: the next such call of the same forward pass starts the
+previous layer's computation, reads its own layer meanwhile, and then waits for it, so at most two
+of these pools are alive; a call on an earlier layer (a new forward pass) forgets the previous
+one without forcing it.
 """
 
 from __future__ import annotations
@@ -17,8 +27,9 @@ import numpy as np
 
 from ..io.prefetch import Prefetcher
 from ..io.store import ExpertStore
+from ..options import DEFAULT_PREFILL_WHOLE_LAYER
 from ..stats import LayerStats, Stats
-from .pool import ExpertPool
+from .pool import STAGING_KEEP_BYTES, DeviceStaging, ExpertPool, host_view, layer_pool, read_blobs
 from .protocol import Predictor
 
 MAX_PREDICT_TOKENS = 4  # prediction pays off in decode; a prefill needs most experts anyway
@@ -29,16 +40,33 @@ class HostSyncCache:
     every expert is resident (``resident_pool``): their router indices are the slots.
 
     ``prefetcher``: reads go through it, and with a ``predictor`` the next layer's predicted
-    experts that are absent are read ahead in the background."""
+    experts that are absent are read ahead in the background. ``prefill_whole_layer``: rows
+    per expert from which a call on a layer with fewer slots than experts reads the whole layer
+    without a host sync (``LoadOptions.prefill_whole_layer``, handed in by the
+    runtime's cache factory; None: the default; 0: never). ``staging``: device slot writes (CUDA), else host writes."""
 
     name = "?"
 
-    def __init__(self, store: ExpertStore, prefetcher: Optional[Prefetcher] = None):
+    def __init__(
+        self,
+        store: ExpertStore,
+        prefetcher: Optional[Prefetcher] = None,
+        prefill_whole_layer: Optional[float] = None,
+        staging: Optional[DeviceStaging] = None,
+    ):
         self.store = store
         self.prefetcher = prefetcher
+        self.staging = staging
         self.reader = prefetcher if prefetcher is not None else store
         self.predictor: Optional[Predictor] = None
         self._synced = False  # whether the last lookup wrote a writable pool
+        self.prefill_whole_layer = float(
+            DEFAULT_PREFILL_WHOLE_LAYER if prefill_whole_layer is None else prefill_whole_layer
+        )
+        self._whole: Optional[int] = None  # the layer of the last lookup, if it read it whole
+        # (layer, output) of the last whole-layer call, not forced yet: see the module's text
+        self._pending: Optional[Tuple[int, mx.array]] = None
+        self._whole_buf: Optional[mx.array] = None
 
     # -- what subclasses provide --------------------------------------------------------------
 
@@ -55,11 +83,30 @@ class HostSyncCache:
     def absent(self, layer: int, experts: np.ndarray) -> np.ndarray:
         return experts
 
+    def slot_count(self, layer: int) -> int:
+        """How many of the layer's experts can be resident at once (0: none)."""
+        return 0
+
+    def _whole_staging(self, n: int, blob_size: int) -> mx.array:
+        """Device-readable staging for a whole layer: a buffer only whole-layer calls use (each
+        evaluates its copies out of it before returning, so no pending read sees it change,
+        with no host sync), kept up to ``STAGING_KEEP_BYTES``."""
+        assert self.staging is not None
+        if n * blob_size > STAGING_KEEP_BYTES:
+            return self.staging.allocate((n, blob_size))
+        buf = self._whole_buf
+        if buf is None or buf.size < n * blob_size:
+            buf = self._whole_buf = self.staging.allocate((n * blob_size,))
+        return buf[: n * blob_size].reshape(n, blob_size)
+
     # -- the protocol ---------------------------------------------------------------------------
 
     def lookup(
         self, layer: int, x: mx.array, indices: mx.array, stats: LayerStats
     ) -> Tuple[mx.array, ExpertPool]:
+        self._whole = None
+        if self._pending is not None and self._pending[0] >= layer:
+            self._pending = None  # a new forward pass: the last one's unused outputs stay lazy
         resident = self.resident_pool(layer)
         if resident is not None:  # every expert resident, slot == expert id: no host sync
             self._synced = False
@@ -67,7 +114,51 @@ class HostSyncCache:
             stats.unsynced_calls += 1
             stats.tokens += indices.size // indices.shape[-1]  # the shape needs no sync
             return indices, resident
+        if self.reads_whole(layer, indices):
+            return self.whole_lookup(layer, indices, stats)
         return self.synced_lookup(layer, x, indices, stats)
+
+    def reads_whole(self, layer: int, indices: mx.array) -> bool:
+        """Whether this call reads its whole layer without a host sync: the layer has fewer
+        slots than experts, and the call routes ``prefill_whole_layer`` rows per expert or more
+        (the shape needs no sync)."""
+        if self.prefill_whole_layer <= 0:
+            return False
+        n = self.store.layout(layer).num_experts
+        return self.slot_count(layer) < n and indices.size >= self.prefill_whole_layer * n
+
+    def whole_lookup(
+        self, layer: int, indices: mx.array, stats: LayerStats
+    ) -> Tuple[mx.array, ExpertPool]:
+        """Every expert of the layer in a pool of its own (slot == expert id): the router's
+        indices go to the computation unchanged, with no host sync."""
+        prev, self._pending = self._pending, None
+        if prev is not None:
+            mx.async_eval(prev[1])  # the previous layer computes while this one is read
+        layout = self.store.layout(layer)
+        n = layout.num_experts
+        staged = None if self.staging is None else self._whole_staging(n, layout.blob_size)
+        out = None if staged is None else host_view(staged)
+        blobs = read_blobs(self.reader, layer, np.arange(n), stats, out)
+        t0 = time.perf_counter()
+        pool = layer_pool(layout, blobs, staged)
+        copies = [] if staged is None else list(pool.arrays.values())
+        t1 = time.perf_counter()
+        # the device's copies leave the staging free for reuse; the previous pool is freed once
+        # its computation ran: at most two such pools alive
+        mx.eval(([] if prev is None else [prev[1]]) + copies)
+        t2 = time.perf_counter()
+        stats.upload_s += t1 - t0
+        stats.sync_s += t2 - t1  # waiting for the device: the previous layer's computation
+        self._synced = False
+        self._whole = layer
+        stats.calls += 1
+        stats.unsynced_calls += 1
+        stats.tokens += indices.size // indices.shape[-1]  # the shape needs no sync
+        # which were routed is not known without a sync: each expert read counts as routed+missed
+        stats.experts_routed += n
+        stats.experts_missed += n
+        return indices, pool
 
     def synced_lookup(
         self, layer: int, x: mx.array, indices: mx.array, stats: LayerStats
@@ -98,6 +189,10 @@ class HostSyncCache:
         return mx.array(slot_of[inverse].reshape(idx.shape)), pool
 
     def computed(self, out: mx.array) -> None:
+        if self._whole is not None:  # its pool is its own: nothing to order, nothing to force
+            self._pending = (self._whole, out)
+            self._whole = None
+            return
         if self._synced:
             mx.async_eval(out)  # the pool's next write must not overtake this read
 
@@ -108,5 +203,6 @@ class HostSyncCache:
         pass
 
     def close(self) -> None:
+        self._pending = self._whole_buf = None
         if self.prefetcher is not None:
             self.prefetcher.close()

@@ -62,8 +62,15 @@ class TableCache(BudgetCache):
     ):
         # the miss server keeps the table layers' policy, this process the others'
         super().__init__(
-            store, layout, budget_bytes, staging, prefetcher, policy=POLICIES[options.eviction]
+            store,
+            layout,
+            budget_bytes,
+            staging,
+            prefetcher,
+            policy=POLICIES[options.eviction],
+            prefill_whole_layer=options.prefill_whole_layer,
         )
+        self.name = "table"  # not the policy's name (BudgetCache's)
         self.wait_s = options.wait_timeout_s
         self.control = ControlBlock(
             table_layers(layout, self.n_slots, options.table_every_layer), allocate=PinnedBuffer

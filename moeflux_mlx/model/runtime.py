@@ -78,13 +78,20 @@ def make_cache(
     prefetcher = Prefetcher(store, stats) if options.prefetch else None
     cache: BudgetCache
     try:
+        whole = options.prefill_whole_layer
         if capacity == 0:
-            return StagingCache(store, staging, prefetcher)
+            return StagingCache(store, staging, prefetcher, prefill_whole_layer=whole)
         if table:
             cache = TableCache(store, layout, budget_bytes, options, staging, prefetcher)
         else:
             cache = BudgetCache(
-                store, layout, budget_bytes, staging, prefetcher, policy=POLICIES[options.eviction]
+                store,
+                layout,
+                budget_bytes,
+                staging,
+                prefetcher,
+                policy=POLICIES[options.eviction],
+                prefill_whole_layer=whole,
             )
     except BaseException:
         if prefetcher is not None:

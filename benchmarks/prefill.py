@@ -1,0 +1,283 @@
+"""Prefill benchmark: time to the first token of a long prompt, stock mlx-lm against moeflux-mlx
+at small cache budgets, with the bytes the prefill read and what reading them alone costs.
+
+    python benchmarks/prefill.py PATH                           # plain or converted checkpoint
+    python benchmarks/prefill.py --size small --prompt-tokens 512 --budgets 0.25 --repeats 3
+    python benchmarks/prefill.py --arch qwen3_moe --size full --layers 8 --convert --io pread
+
+Every model is loaded at once and prefills in turn, ``--repeats`` rounds (medians: VMs are
+noisy). Warm runs read the expert files once first; ``--cold`` drops them from the page cache
+before every moeflux prefill. Per configuration: seconds to the first token (the prompt's forward
+pass and its evaluation, as ``mlx_lm.generate_step`` does it), the ratio to stock, the bytes
+read, the pure read time of those very reads (replayed through the store alone, same I/O mode
+and page-cache state, right after the prefill), and the overhead beyond the reads: moeflux -
+stock - read time. ``--prefill-whole-layer 4,0`` runs the option's values side by side (0: one
+host sync per layer and call, the path before whole-layer reads). Writes
+``DATE-MACHINE-prefill.{md,json}`` to ``--out`` (never overwriting).
+"""
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+import mlx_lm  # noqa: E402
+from mlx_lm.generate import generate_step  # noqa: E402
+
+import moeflux_mlx  # noqa: E402
+from moeflux_mlx.benchmark.pagecache import drop_page_cache, expert_files  # noqa: E402
+from moeflux_mlx.benchmark.report import free_stem, machine_name, machine_tag  # noqa: E402
+from moeflux_mlx.benchmark.trace_routing import drive_routing, load_trace  # noqa: E402
+from moeflux_mlx.commands.bench import _budget_list, _io_list, parse_config_setting  # noqa: E402
+from moeflux_mlx.commands.common import user_cache_dir  # noqa: E402
+from moeflux_mlx.format.checkpoint import expert_layout, is_packed  # noqa: E402
+from moeflux_mlx.format.convert import convert  # noqa: E402
+from moeflux_mlx.testing import synth  # noqa: E402
+
+
+def _floats(text: str):
+    return [float(v) for v in text.split(",")]
+
+
+def build_model(args) -> tuple:
+    """(path moeflux streams from, path stock mlx-lm loads): as ``moeflux-mlx bench`` does."""
+    model = args.model
+    if model is None:
+        overrides = dict(parse_config_setting(v) for v in args.set)
+        name = f"{args.arch}-{args.size}" + "".join(f"-{k}{v}" for k, v in overrides.items())
+        if args.layers:
+            overrides["num_hidden_layers"] = args.layers
+            name += f"-{args.layers}l"
+        model = Path(args.build_dir).expanduser() / name
+        if not model.exists():
+            print(f"Building {model} (random weights; once) ...", flush=True)
+            synth.build_checkpoint(model, args.arch, args.size, overrides=overrides or None)
+    model = Path(model).expanduser()
+    stock = model
+    if args.convert and not is_packed(model):
+        packed = model.with_name(model.name + "-packed")
+        convert(model, packed, progress=False)  # nothing to do once made
+        model = packed
+    return model, stock
+
+
+def warm_page_cache(files) -> None:
+    """Read every expert file once, so that warm runs find their bytes in the page cache."""
+    for f in files:
+        with open(f, "rb") as fh:
+            while fh.read(64 << 20):
+                pass
+
+
+def first_token(model, prompt) -> tuple:
+    """Seconds to the first token (prefill of the prompt, then its last position) and the token."""
+    mx.synchronize()
+    t0 = time.perf_counter()
+    tok, _ = next(generate_step(prompt, model, max_tokens=1))
+    tok = int(tok)
+    mx.synchronize()
+    return time.perf_counter() - t0, tok
+
+
+class ReadLog:
+    """Records every ``store.read`` of a model (layer, experts), to replay them alone."""
+
+    def __init__(self, store):
+        self.store, self.calls = store, []
+        self._read = store.read
+        store.read = self.read  # the caches call their reader, the store itself (no prefetch)
+
+    def read(self, layer, experts, out=None):
+        self.calls.append((layer, experts.copy()))
+        return self._read(layer, experts, out)
+
+    def replay_s(self, files, cold: bool) -> float:
+        """Seconds the recorded reads take through the store alone (same mode, page cache)."""
+        if cold:
+            drop_page_cache(files)
+        t0 = time.perf_counter()
+        for layer, experts in self.calls:
+            self._read(layer, experts)
+        return time.perf_counter() - t0
+
+
+def run(args) -> dict:
+    path, stock_path = build_model(args)
+    total = expert_layout(path).total_expert_bytes
+    files = expert_files(path)
+    trace = load_trace(args.routing_trace) if args.routing_trace else None
+    mx.random.seed(args.seed)
+    prompt = mx.random.randint(0, 256, (args.prompt_tokens,)).astype(mx.uint32)
+    models = {"stock mlx-lm": mlx_lm.load(str(stock_path))[0]}
+    logs = {}
+    for io in args.io:
+        for frac in args.budgets:
+            for whole in args.prefill_whole_layer:
+                budget = "all" if frac >= 1 else int(frac * total)
+                # the caches read the option when they are made (LoadOptions.prefill_whole_layer)
+                os.environ["MOEFLUX_PREFILL_WHOLE_LAYER"] = f"{whole:g}"
+                m, _ = moeflux_mlx.load(
+                    path, expert_io=io, cache_budget=budget, backend=args.bench_backend
+                )
+                name = f"moeflux {m.moeflux.store.io_mode} {frac:.0%} whole={whole:g}"
+                models[name] = m
+                logs[name] = ReadLog(m.moeflux.store)
+    if trace is not None:
+        for m in models.values():
+            drive_routing(m, trace, args.routing_trace)
+    warm_page_cache(files)
+    for m in models.values():
+        first_token(m, prompt)  # warm-up: kernels of these shapes, allocator
+    rows = {k: {"s": [], "tokens": [], "read_s": [], "bytes": [], "stats": []} for k in models}
+    for _ in range(args.repeats):
+        for name, m in models.items():
+            rt = getattr(m, "moeflux", None)
+            if rt is not None:
+                rt.reset_stats()
+                logs[name].calls.clear()
+                if args.cold:
+                    drop_page_cache(files)
+            s, tok = first_token(m, prompt)
+            r = rows[name]
+            r["s"].append(s)
+            r["tokens"].append(tok)
+            if rt is not None:
+                t = rt.stats.total()
+                r["bytes"].append(t.bytes_read)
+                r["stats"].append({"io_s": t.io_s, "upload_s": t.upload_s, "sync_s": t.sync_s})
+                r["read_s"].append(logs[name].replay_s(files, args.cold))
+    stock = rows.pop("stock mlx-lm")
+    out_rows = [
+        {
+            "config": "stock mlx-lm",
+            "seconds": statistics.median(stock["s"]),
+            "all_seconds": stock["s"],
+        }
+    ]
+    for name, r in rows.items():
+        overhead = [m - s - rd for m, s, rd in zip(r["s"], stock["s"], r["read_s"])]
+        out_rows.append(
+            {
+                "config": name,
+                "seconds": statistics.median(r["s"]),
+                "all_seconds": r["s"],
+                "ratio_to_stock": statistics.median(m / s for m, s in zip(r["s"], stock["s"])),
+                "mb_read": statistics.median(r["bytes"]) / 1e6,
+                "read_s": statistics.median(r["read_s"]),
+                "overhead_beyond_reads_s": statistics.median(overhead),
+                "io_s": statistics.median(x["io_s"] for x in r["stats"]),
+                "upload_s": statistics.median(x["upload_s"] for x in r["stats"]),
+                "sync_s": statistics.median(x["sync_s"] for x in r["stats"]),
+                "token_as_stock": r["tokens"] == stock["tokens"],
+            }
+        )
+    for m in models.values():
+        if hasattr(m, "moeflux"):
+            m.moeflux.close()
+    del models
+    gc.collect()
+    return {
+        "model": str(path),
+        "stock_model": str(stock_path),
+        "machine": machine_name(),
+        "mlx": mx.__version__,
+        "device": str(mx.default_device()),
+        "prompt_tokens": args.prompt_tokens,
+        "cold": args.cold,
+        "repeats": args.repeats,
+        "routing_trace": str(args.routing_trace) if args.routing_trace else None,
+        "rows": out_rows,
+    }
+
+
+def format_table(result: dict) -> str:
+    head = (
+        "| config | s to first token | x stock | MB read | read s | overhead beyond reads s "
+        "| io s | upload s | sync s | token = stock |"
+    )
+    lines = [head, "|" + " --- |" * 10]
+    for r in result["rows"]:
+        if "ratio_to_stock" not in r:
+            lines.append(f"| {r['config']} | {r['seconds']:.2f} | 1.00 |" + " - |" * 7)
+            continue
+        lines.append(
+            f"| {r['config']} | {r['seconds']:.2f} | {r['ratio_to_stock']:.2f} "
+            f"| {r['mb_read']:.0f} | {r['read_s']:.3f} | {r['overhead_beyond_reads_s']:+.2f} "
+            f"| {r['io_s']:.3f} | {r['upload_s']:.3f} | {r['sync_s']:.2f} "
+            f"| {'yes' if r['token_as_stock'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def write(result: dict, out: Path, stem: str) -> list:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = free_stem(out, stem)
+    js, md = out / f"{stem}.json", out / f"{stem}.md"
+    js.write_text(json.dumps(result, indent=1))
+    md.write_text(
+        "\n".join(
+            [
+                f"# Prefill benchmark: {Path(result['model']).name}",
+                "",
+                f"Machine: {result['machine']}; MLX {result['mlx']} ({result['device']}); "
+                f"{result['prompt_tokens']}-token prompt, "
+                f"{'cold' if result['cold'] else 'warm'} page cache, "
+                f"median of {result['repeats']} alternating rounds.",
+                "read s: the same reads through the store alone; overhead beyond reads: "
+                "moeflux - stock - read s (per round, median). sync s includes the device's "
+                "computation before each layer's router indices.",
+                "",
+                format_table(result),
+                "",
+            ]
+        )
+    )
+    return [js, md]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("model", nargs="?", type=Path, help="checkpoint (default: build one)")
+    p.add_argument("--arch", default="qwen3_moe", choices=synth.ARCHITECTURES)
+    p.add_argument("--size", default="small", choices=synth.SIZES)
+    p.add_argument("--layers", type=int, default=None, help="decoder layers of the built model")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--build-dir", type=Path, default=user_cache_dir() / "bench-models")
+    p.add_argument("--convert", action="store_true", help="stream from a converted copy")
+    p.add_argument("--routing-trace", type=Path, default=None, metavar="TRACE")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--budgets", type=_budget_list, default=[0.25])
+    p.add_argument("--io", type=_io_list, default=["mmap"], help="mmap,pread (default: mmap)")
+    p.add_argument(
+        "--prefill-whole-layer",
+        type=_floats,
+        default=[4.0, 0.0],
+        help="values of the load option to run side by side (default 4,0; 0: synced path)",
+    )
+    p.add_argument("--bench-backend", default=None, help="expert backend (default: auto)")
+    p.add_argument("--cold", action="store_true", help="drop the page cache before each run")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--machine", default=None, help="machine label for the results file name")
+    p.add_argument("--out", type=Path, default=Path("moeflux-bench-results"))
+    args = p.parse_args(argv)
+    result = run(args)
+    print(format_table(result))
+    machine = args.machine or machine_tag(result["machine"])
+    for f in write(result, args.out, f"{datetime.date.today()}-{machine}-prefill"):
+        print("wrote", f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

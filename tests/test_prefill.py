@@ -1,0 +1,147 @@
+"""Prefill at small budgets: whole-layer reads without a host sync (``prefill_whole_layer``) are
+exact, bounded, and leave nothing corrupted behind a failed read."""
+
+import errno
+import itertools
+import os
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+import moeflux_mlx
+from moeflux_mlx.errors import ExpertReadError
+from moeflux_mlx.format.checkpoint import expert_layout
+from moeflux_mlx.options import LoadOptions
+
+ROWS = 2.0  # the tiny models route 4 of 16 experts: a 40-token prompt has 10 rows per expert
+
+
+def _prompt(n=40):
+    return mx.array(np.random.default_rng(0).integers(0, 256, n).astype(np.uint32))
+
+
+def _greedy(model, prompt, n=6):
+    return [int(t) for (t, _), _ in zip(generate_step(prompt, model, max_tokens=n), range(n))]
+
+
+def _prefill_logits(model, prompt):
+    """Logits of every prompt position, as one forward pass computes them."""
+    out = model(prompt[None], cache=make_prompt_cache(model))
+    mx.eval(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoints):
+    src, packed = tiny_checkpoints["qwen3_moe"]
+    stock, _ = mlx_lm.load(str(src))
+    prompt = _prompt()
+    return packed, prompt, _prefill_logits(stock, prompt), _greedy(stock, prompt)
+
+
+def _budget(packed, fraction=0.25):
+    return int(fraction * expert_layout(packed).total_expert_bytes)
+
+
+def _load(monkeypatch, packed, whole, fraction=0.25, **kw):
+    """The model at ``fraction`` of its experts with ``prefill_whole_layer=whole`` (set through
+    its variable: the caches read it when they are made)."""
+    monkeypatch.setenv("MOEFLUX_PREFILL_WHOLE_LAYER", str(whole))
+    return moeflux_mlx.load(packed, cache_budget=_budget(packed, fraction), **kw)[0]
+
+
+@pytest.mark.parametrize("writes", ["host", "device"])
+@pytest.mark.parametrize("budget", [0.25, 0.0])
+def test_whole_layer_prefill_is_bit_identical(tiny, monkeypatch, writes, budget):
+    """Logits of a prefill through whole-layer reads equal stock mlx-lm's and the synced
+    path's bit for bit; greedy decode after it too; no host sync in the prefill."""
+    packed, prompt, want_logits, want_tokens = tiny
+    monkeypatch.setenv("MOEFLUX_SLOT_WRITES", writes)
+    got = {}
+    for whole in (ROWS, 0.0):
+        model = _load(monkeypatch, packed, whole, budget)
+        with model.moeflux as rt:
+            assert rt.cache.prefill_whole_layer == whole
+            got[whole] = _prefill_logits(model, prompt)
+            t = rt.stats.total()
+            if whole:  # every layer read whole, none synced
+                assert t.calls == t.unsynced_calls == len(rt.layout.layers)
+                assert t.experts_read == sum(ly.num_experts for ly in rt.layout.layers.values())
+            else:
+                assert t.unsynced_calls == 0
+            assert _greedy(model, prompt) == want_tokens
+    assert mx.array_equal(got[ROWS], want_logits).item()
+    assert mx.array_equal(got[0.0], want_logits).item()
+
+
+def test_short_calls_keep_the_synced_path(tiny, monkeypatch):
+    """Below the threshold (decode, short prompts) calls sync and read only their experts;
+    the threshold is rows per expert of the layer."""
+    packed, prompt, _, want_tokens = tiny
+    model = _load(monkeypatch, packed, 1000)
+    with model.moeflux as rt:
+        assert _greedy(model, prompt) == want_tokens
+        assert rt.stats.total().unsynced_calls == 0
+    model = _load(monkeypatch, packed, ROWS)
+    with model.moeflux as rt:
+        assert _greedy(model, prompt) == want_tokens
+        per_layer = {s.unsynced_calls for s in rt.stats.layers.values()}
+        assert per_layer == {1}  # the prefill only; the decode steps synced
+
+
+def test_last_layer_output_is_not_forced(tiny, monkeypatch):
+    """A prefill chunk's last MoE layer output, which nothing evaluates, stays lazy: the cache
+    holds it without computing it, and a new forward pass forgets it."""
+    packed, prompt, _, _ = tiny
+    model = _load(monkeypatch, packed, ROWS)
+    with model.moeflux as rt:
+        cache = make_prompt_cache(model)
+        model(prompt[None], cache=cache)  # logits never evaluated, as a prefill chunk
+        mx.eval([c.state for c in cache])
+        pending = rt.cache._pending
+        assert pending is not None and pending[0] == max(rt.layout.layers)
+        model(prompt[None, :1], cache=cache)  # the next pass, first layer: forgotten
+        assert rt.cache._pending is None or rt.cache._pending[0] < pending[0]
+
+
+def test_option_from_the_environment(monkeypatch):
+    monkeypatch.setenv("MOEFLUX_PREFILL_WHOLE_LAYER", "0")
+    assert LoadOptions.resolve().prefill_whole_layer == 0
+    assert LoadOptions.resolve(prefill_whole_layer=8).prefill_whole_layer == 8
+    monkeypatch.setenv("MOEFLUX_PREFILL_WHOLE_LAYER", "-1")
+    with pytest.raises(ValueError, match="MOEFLUX_PREFILL_WHOLE_LAYER"):
+        LoadOptions.resolve()
+
+
+def _fault_preadv(monkeypatch, after: int):
+    real = os.preadv
+    calls = itertools.count()
+
+    def fake(fd, buffers, offset, *args):
+        if next(calls) >= after:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", fake)
+    return lambda: monkeypatch.setattr(os, "preadv", real)
+
+
+@pytest.mark.parametrize("after", [0, 3])
+@pytest.mark.parametrize("writes", ["host", "device"])
+def test_read_fault_mid_whole_layer(tiny, monkeypatch, after, writes):
+    """A disk error while a layer is read whole raises from the prefill; nothing read before it
+    is taken for the experts afterwards: the same model then prefills and decodes exactly."""
+    packed, prompt, want_logits, want_tokens = tiny
+    monkeypatch.setenv("MOEFLUX_SLOT_WRITES", writes)
+    model = _load(monkeypatch, packed, ROWS, expert_io="pread")
+    with model.moeflux:
+        restore = _fault_preadv(monkeypatch, after)
+        with pytest.raises(ExpertReadError, match="Input/output error"):
+            _prefill_logits(model, prompt)
+        restore()
+        assert mx.array_equal(_prefill_logits(model, prompt), want_logits).item()
+        assert _greedy(model, prompt) == want_tokens
