@@ -713,7 +713,7 @@ def test_unreadable_files(ckpt):
 # The all-resident path passes indices to the kernels without a host sync, so it cannot check
 # them; its range is guaranteed at load instead (the model's expert count must equal the files',
 # see the "config from another model size" cases). Only the synced paths are checked per call.
-@pytest.mark.parametrize("budget", [0, "0.4MB"], ids=["staging", "lru"])
+@pytest.mark.parametrize("budget", [0, "0.4MB"], ids=["staging", "budget"])
 def test_expert_index_out_of_range(ckpt, budget):
     """Calling a streaming module with an expert the layer does not have."""
     model, _ = moeflux_mlx.load(ckpt[1], cache_budget=budget)
@@ -818,7 +818,7 @@ def test_read_fault_plain_checkpoint(ckpt, reference, monkeypatch):
         assert gen(model) == reference
 
 
-@pytest.mark.parametrize("budget", [0, "0.4MB"], ids=["staging", "lru"])
+@pytest.mark.parametrize("budget", [0, "0.4MB"], ids=["staging", "budget"])
 def test_short_reads_are_retried(ckpt, reference, monkeypatch, budget):
     """A read that returns fewer bytes than asked (not 0) is continued, not an error."""
     model, _ = moeflux_mlx.load(ckpt[1], expert_io="pread", cache_budget=budget)
