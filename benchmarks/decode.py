@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moeflux_mlx.commands import bench as bench_cmd  # noqa: E402
+from moeflux_mlx.commands.common import main_for  # noqa: E402
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(
@@ -24,4 +25,4 @@ if __name__ == "__main__":
     bench_cmd.add_args(parser)
     parser.set_defaults(out=Path(__file__).parent / "results")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    sys.exit(bench_cmd.run(parser.parse_args()))
+    sys.exit(main_for(parser, bench_cmd.run))  # bad input: one line, exit status 2
