@@ -580,3 +580,17 @@ def test_server_runs_with_descriptors_past_select_s_limit(tiny_store):
     finally:
         for fd in held:
             os.close(fd)
+
+
+def test_decode_through_the_table_lets_the_prefill_s_held_output_go(
+    table_on_cpu, reference, monkeypatch
+):
+    """A whole-layer prefill (no host sync) holds its last layer's output, lazy; the decode that
+    follows goes through the table and must let it (and its whole-layer pool) go."""
+    packed, prompt, want, total = reference
+    monkeypatch.setenv("MOEFLUX_PREFILL_WHOLE_LAYER", "1")
+    model, _ = moeflux_mlx.load(packed, cache_budget=int(0.3 * total), device_table=True)
+    with model.moeflux as rt:
+        assert rt.cache.name == "table"
+        assert _greedy(model, prompt) == want
+        assert rt.stats.total().unsynced_calls > 0 and rt.cache._pending is None

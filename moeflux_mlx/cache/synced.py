@@ -101,12 +101,18 @@ class HostSyncCache:
 
     # -- the protocol ---------------------------------------------------------------------------
 
+    def begin_call(self, layer: int) -> None:
+        """Every lookup starts here (the device-side table's too): a call on the layer of the
+        held whole-layer output or an earlier one starts a new forward pass, whose predecessor's
+        unused output stays lazy and is let go (with its pool)."""
+        self._whole = None
+        if self._pending is not None and self._pending[0] >= layer:
+            self._pending = None
+
     def lookup(
         self, layer: int, x: mx.array, indices: mx.array, stats: LayerStats
     ) -> Tuple[mx.array, ExpertPool]:
-        self._whole = None
-        if self._pending is not None and self._pending[0] >= layer:
-            self._pending = None  # a new forward pass: the last one's unused outputs stay lazy
+        self.begin_call(layer)
         resident = self.resident_pool(layer)
         if resident is not None:  # every expert resident, slot == expert id: no host sync
             self._synced = False

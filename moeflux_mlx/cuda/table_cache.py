@@ -149,6 +149,7 @@ class TableCache(BudgetCache):
         if not self._serves(layer, indices):
             self._table_call = False
             return super().lookup(layer, x, indices, stats)
+        self.begin_call(layer)
         if self.server.read_ahead and self.predictor is not None:
             ahead = self.predictor(layer, x, indices.shape[-1])
             if ahead is not None and self._table(ahead[0]) is not None:  # the server reads ahead
