@@ -13,7 +13,9 @@ print("mlx", mx.__version__, mx.default_device())
 print("backends:", {b: mx.distributed.is_available(b) for b in ("ring", "nccl", "mpi", "jaccl")})
 PY
 GEN=(python3 -m moeflux_mlx.cli generate --prompt "Tell me something wise." --max-tokens 64)
-LAUNCH=(python3 -m mlx._distributed_utils.launch -n 2 --backend ring --starting-port 45110 --)
+# mlx.launch's own entry point (python -m on its module would run nothing)
+LAUNCH=(python3 -c "import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = 'mlx.launch'; sys.exit(main())"
+        -n 2 --backend ring --starting-port 45110 --)
 echo "== one process"
 timeout 120 "${GEN[@]}" 2>&1 | grep -v "^Loading\|^Fetching"
 for flag in --pipeline ""; do
