@@ -36,10 +36,9 @@ import moeflux_mlx  # noqa: E402
 from moeflux_mlx.benchmark.pagecache import drop_page_cache, expert_files  # noqa: E402
 from moeflux_mlx.benchmark.report import free_stem, machine_name, machine_tag  # noqa: E402
 from moeflux_mlx.benchmark.trace_routing import drive_routing, load_trace  # noqa: E402
-from moeflux_mlx.commands.bench import _budget_list, _io_list, parse_config_setting  # noqa: E402
+from moeflux_mlx.commands.bench import _budget_list, _io_list, benchmark_model  # noqa: E402
 from moeflux_mlx.commands.common import user_cache_dir  # noqa: E402
-from moeflux_mlx.format.checkpoint import expert_layout, is_packed  # noqa: E402
-from moeflux_mlx.format.convert import convert  # noqa: E402
+from moeflux_mlx.format.checkpoint import expert_layout  # noqa: E402
 from moeflux_mlx.testing import synth  # noqa: E402
 
 
@@ -49,24 +48,8 @@ def _floats(text: str):
 
 def build_model(args) -> tuple:
     """(path moeflux streams from, path stock mlx-lm loads): as ``moeflux-mlx bench`` does."""
-    model = args.model
-    if model is None:
-        overrides = dict(parse_config_setting(v) for v in args.set)
-        name = f"{args.arch}-{args.size}" + "".join(f"-{k}{v}" for k, v in overrides.items())
-        if args.layers:
-            overrides["num_hidden_layers"] = args.layers
-            name += f"-{args.layers}l"
-        model = Path(args.build_dir).expanduser() / name
-        if not model.exists():
-            print(f"Building {model} (random weights; once) ...", flush=True)
-            synth.build_checkpoint(model, args.arch, args.size, overrides=overrides or None)
-    model = Path(model).expanduser()
-    stock = model
-    if args.convert and not is_packed(model):
-        packed = model.with_name(model.name + "-packed")
-        convert(model, packed, progress=False)  # nothing to do once made
-        model = packed
-    return model, stock
+    model, stock = benchmark_model(args)
+    return model, stock or model
 
 
 def warm_page_cache(files) -> None:

@@ -9,7 +9,7 @@ import datetime
 import json
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from mlx_lm.utils import load_tokenizer
 
@@ -223,11 +223,22 @@ def _replayed_routing(trace_path: Optional[Path], prefetch, predictor: Optional[
     return lambda model: drive_routing(model, trace, trace_path, predictor)
 
 
-def run(args: argparse.Namespace) -> int:
+def benchmark_model(args: argparse.Namespace) -> Tuple[Path, Optional[Path]]:
+    """The checkpoint a benchmark streams from: ``args.model``, or a random-weight one built once
+    into ``args.build_dir`` from ``--arch/--size/--layers/--set``; with ``--convert``, its
+    converted copy (made once).
+
+    Args:
+        args: a namespace with ``model``, ``arch``, ``size``, ``layers``, ``set``,
+            ``build_dir`` and ``convert`` (``add_args``'s).
+
+    Returns:
+        ``(path to stream from, path stock mlx-lm loads or None: the same)``.
+
+    Raises:
+        UsageError: the built model's config cannot take a ``--set``.
+    """
     model = args.model
-    # as parsed here, or as strings from an older caller of run()
-    budgets = args.budgets if isinstance(args.budgets, list) else _budget_list(args.budgets)
-    io_modes = args.io if isinstance(args.io, list) else _io_list(args.io)
     if model is None:
         overrides = dict(parse_config_setting(v) for v in args.set)
         name = f"{args.arch}-{args.size}" + "".join(f"-{k}{v}" for k, v in overrides.items())
@@ -252,6 +263,15 @@ def run(args: argparse.Namespace) -> int:
         packed = model.with_name(model.name + "-packed")
         convert(model, packed, progress=False, notify=say)  # nothing to do once made
         model, stock_path = packed, model
+    return model, stock_path
+
+
+def run(args: argparse.Namespace) -> int:
+    model = args.model
+    # as parsed here, or as strings from an older caller of run()
+    budgets = args.budgets if isinstance(args.budgets, list) else _budget_list(args.budgets)
+    io_modes = args.io if isinstance(args.io, list) else _io_list(args.io)
+    model, stock_path = benchmark_model(args)
     out = Path(args.out).expanduser()
     prefetch = {"off": (False,), "on": (True,), "both": (False, True)}[args.prefetch]
     prepare = _replayed_routing(args.routing_trace, prefetch, args.trace_predictor)
