@@ -145,3 +145,30 @@ def test_read_fault_mid_whole_layer(tiny, monkeypatch, after, writes):
         restore()
         assert mx.array_equal(_prefill_logits(model, prompt), want_logits).item()
         assert _greedy(model, prompt) == want_tokens
+
+
+@pytest.mark.parametrize("writes", ["host", "device"])
+def test_a_call_beyond_the_slots_reads_only_what_they_lack(tiny, monkeypatch, writes):
+    """A short multi-token call (a speculative pass) routing more experts than a layer's slots is
+    staged uncached: the experts the slots hold are copied from them, only the others are read,
+    and the logits stay stock's."""
+    packed, prompt, want_logits, want_tokens = tiny
+    monkeypatch.setenv("MOEFLUX_SLOT_WRITES", writes)
+    model = _load(monkeypatch, packed, 0, device_table=False)  # every call synced
+    with model.moeflux as rt:
+        assert _greedy(model, prompt) == want_tokens  # the slots now hold the decode's experts
+        cache = make_prompt_cache(model)
+        mx.eval(model(prompt[None, :-3], cache=cache))
+        rt.reset_stats()
+        held = {i: set(np.flatnonzero(rt.cache.slot_of(i) >= 0).tolist()) for i in rt.cache.pools}
+        out = model(prompt[None, -3:], cache=cache)  # 3 tokens: more experts than 4 slots
+        mx.eval(out)
+        assert mx.array_equal(out[0], want_logits[0, -3:]).item()
+        stats = rt.stats.layers
+        copied = 0
+        for i, s in stats.items():
+            assert s.experts_routed > rt.cache.n_slots[i]  # staged uncached
+            assert s.experts_read == s.experts_missed
+            copied += s.experts_routed - s.experts_read
+            assert s.experts_routed - s.experts_read <= len(held[i])
+        assert copied > 0

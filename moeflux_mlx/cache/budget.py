@@ -136,8 +136,9 @@ class BudgetCache(HostSyncCache):
         self, layer: int, experts: np.ndarray, stats: LayerStats
     ) -> Tuple[np.ndarray, ExpertPool]:
         if len(experts) > self.n_slots[layer]:
-            # more experts than slots (a long prefill on a small budget): stage them uncached
-            return self.overflow.fetch(layer, experts, stats)
+            # more experts than slots (a speculative pass, a short prefill on a small budget):
+            # staged uncached, those the slots hold copied from them, only the others read
+            return self.overflow.fetch(layer, experts, stats, self._held(layer, experts))
         pool = self._pool(layer)
         if self._fills_whole(layer):
             self._fill_layer(layer, pool, stats)
@@ -158,6 +159,15 @@ class BudgetCache(HostSyncCache):
         slot_of = self.slot_of(layer)
         assert slot_of is not None  # the layer's bookkeeping exists once its pool does
         return slot_of[experts].astype(np.uint32), pool.pool
+
+    def _held(self, layer: int, experts: np.ndarray) -> Optional[Tuple[SlotPool, np.ndarray]]:
+        """``(pool, slot per expert or -1)`` of the layer's slots, for a call staged uncached;
+        None where they hold none of ``experts``."""
+        pool, slot_of = self.pools.get(layer), self.slot_of(layer)
+        if pool is None or slot_of is None:
+            return None
+        slots = slot_of[experts]
+        return (pool, slots) if (slots >= 0).any() else None
 
     def _fill_layer(self, layer: int, pool: SlotPool, stats: LayerStats) -> None:
         """Read the whole layer once, in bounded chunks; afterwards slot == expert id."""

@@ -199,6 +199,23 @@ def layer_pool(
     return ExpertPool(arrays, layout.quantization, layout.overrides)
 
 
+def copy_slots(dst: SlotPool, slots: np.ndarray, src: SlotPool, src_slots: np.ndarray) -> None:
+    """Copy ``src``'s ``src_slots`` into ``dst``'s ``slots`` (pools of one layout): through host
+    views where both are host-written, else on the device (lazy: it reads ``src`` in stream
+    order, before any later write of ``src``)."""
+    if dst.host is not None and src.host is not None:
+        for c in dst.layout.components:
+            dst.host[c.name][slots] = src.host[c.name][src_slots]
+        return
+    idx = mx.array(slots.astype(np.uint32))
+    from_idx = mx.array(src_slots.astype(np.uint32))
+    del dst.pool  # drop the old typed views so the scatters can update in place
+    for c in dst.layout.components:
+        arr = dst.raw[c.name]
+        arr[idx] = src.raw[c.name][from_idx]
+    dst._typed()
+
+
 def read_blobs(
     reader, layer: int, experts: np.ndarray, stats: LayerStats, out: Optional[np.ndarray] = None
 ) -> np.ndarray:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Dict, Optional, Tuple
 
 import numpy as np
@@ -10,7 +11,15 @@ import numpy as np
 from ..io.prefetch import Prefetcher
 from ..io.store import ExpertStore
 from ..stats import LayerStats
-from .pool import STAGING_KEEP_BYTES, DeviceStaging, ExpertPool, SlotPool, read_blobs, write_blobs
+from .pool import (
+    STAGING_KEEP_BYTES,
+    DeviceStaging,
+    ExpertPool,
+    SlotPool,
+    copy_slots,
+    read_blobs,
+    write_blobs,
+)
 from .synced import HostSyncCache
 
 
@@ -48,13 +57,29 @@ class StagingCache(HostSyncCache):
         return pool
 
     def fetch(
-        self, layer: int, experts: np.ndarray, stats: LayerStats
+        self,
+        layer: int,
+        experts: np.ndarray,
+        stats: LayerStats,
+        resident: Optional[Tuple[SlotPool, np.ndarray]] = None,
     ) -> Tuple[np.ndarray, ExpertPool]:
+        """``experts`` into slots ``0..n-1``. ``resident``: ``(pool, slot per expert, -1 where
+        absent)`` of a cache that holds some of them: those are copied from its slots, and only
+        the others are read."""
         pool = self._pool(layer, len(experts))
         slots = np.arange(len(experts))
-        blobs = read_blobs(self.reader, layer, experts, stats, pool.read_buffer(len(experts)))
-        write_blobs(pool, slots, blobs, stats)
-        stats.experts_missed += len(experts)
+        held = np.zeros(len(experts), bool) if resident is None else resident[1] >= 0
+        missing = experts[~held]
+        if missing.size:
+            buf = pool.read_buffer(missing.size)
+            blobs = read_blobs(self.reader, layer, missing, stats, buf)
+            write_blobs(pool, slots[~held], blobs, stats)
+        if held.any():
+            assert resident is not None
+            t0 = time.perf_counter()
+            copy_slots(pool, slots[held], resident[0], resident[1][held])
+            stats.upload_s += time.perf_counter() - t0
+        stats.experts_missed += missing.size
         return slots.astype(np.uint32), pool.pool
 
     def close(self) -> None:

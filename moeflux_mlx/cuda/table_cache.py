@@ -119,6 +119,13 @@ class TableCache(BudgetCache):
         admit = np.arange(num) if self.n_slots[layer] == num else experts
         return self.server.host_request(layer, HOST_ADMIT, admit)
 
+    def _held(self, layer: int, experts: np.ndarray) -> Optional[Tuple[SlotPool, np.ndarray]]:
+        if self._table(layer) is not None and layer in self.pools:
+            # a table call of the layer still running could change its slots while they are
+            # looked up and copied: let it finish first (later ones run after the copy)
+            self.synchronize()
+        return super()._held(layer, experts)
+
     def _assigned(self, layer: int, missing: np.ndarray, victims: np.ndarray) -> None:
         if self._table(layer) is None:
             super()._assigned(layer, missing, victims)
