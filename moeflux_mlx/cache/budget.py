@@ -67,7 +67,6 @@ class BudgetCache(HostSyncCache):
         self.n_slots = slots_per_layer(layout, budget_bytes)
         self.policy_class = policy
         self.name = policy.name
-        self.staging = staging
         self.pools: Dict[int, SlotPool] = {}  # allocated on a layer's first use
         self.policies: Dict[int, EvictionPolicy] = {}  # partially cached layers kept here
         self.resident: Dict[int, ExpertPool] = {}

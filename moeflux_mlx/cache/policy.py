@@ -28,7 +28,7 @@ slot's GPU uses count once: at a small budget nearly every call has a miss, so l
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import Deque, Optional, Tuple
+from typing import Deque, Optional, Tuple, Union
 
 import numpy as np
 
@@ -169,13 +169,13 @@ class _CountingPolicy(LRUPolicy):
         experts = self.expert_in[slots]
         self.used(experts[experts >= 0], tick)
 
-    def used(self, experts: np.ndarray, tick: int) -> None:
-        """One more use of each of ``experts`` at ``tick`` (hits, arrivals, the GPU's uses)."""
+    def used(self, experts: np.ndarray, tick: Union[int, np.ndarray]) -> None:
+        """One more use of each of ``experts`` (distinct) at ``tick``, one for all or one each
+        (hits, arrivals, the GPU's uses)."""
         self.count[experts] += 1
 
     def device_used(self, slots: np.ndarray, ticks: np.ndarray) -> None:
-        for slot, tick in zip(slots.tolist(), ticks.tolist()):
-            self.used(self.expert_in[[slot]], int(tick))
+        self.used(self.expert_in[slots], ticks)
 
     def victims(self, n: int) -> np.ndarray:
         used = self.expert_in >= 0
@@ -205,7 +205,7 @@ class LFUDAPolicy(_CountingPolicy):
         self.age = 0.0
         self.priority = np.zeros(num_experts, np.float64)
 
-    def used(self, experts: np.ndarray, tick: int) -> None:
+    def used(self, experts: np.ndarray, tick: Union[int, np.ndarray]) -> None:
         super().used(experts, tick)
         self.priority[experts] = self.count[experts] + self.age
 
@@ -230,7 +230,7 @@ class DecayPolicy(_CountingPolicy):
     def setup_scores(self, num_experts: int) -> None:
         self.at = np.zeros(num_experts, np.int64)  # the call each count was last brought up to
 
-    def used(self, experts: np.ndarray, tick: int) -> None:
+    def used(self, experts: np.ndarray, tick: Union[int, np.ndarray]) -> None:
         # a late-counted GPU use (tick before ``at``) adds its weight at that tick
         gap = tick - self.at[experts]
         late = gap < 0

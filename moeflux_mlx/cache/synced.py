@@ -42,8 +42,9 @@ class HostSyncCache:
     ``prefetcher``: reads go through it, and with a ``predictor`` the next layer's predicted
     experts that are absent are read ahead in the background. ``prefill_whole_layer``: rows
     per expert from which a call on a layer with fewer slots than experts reads the whole layer
-    without a host sync (``LoadOptions.prefill_whole_layer``, handed in by the
-    runtime's cache factory; None: the default; 0: never). ``staging``: device slot writes (CUDA), else host writes."""
+    without a host sync (``LoadOptions.prefill_whole_layer``, handed in by the runtime's cache
+    factory; None: the default; 0: never). ``staging``: device slot writes (CUDA), else host
+    writes."""
 
     name = "?"
 
