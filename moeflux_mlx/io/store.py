@@ -35,20 +35,9 @@ STAGING_KEEP_BYTES = 256 << 20  # larger reads (prefill) get a buffer of their o
 # delivered about 1 GB/s to single 2.6 MB reads).
 READ_PIECE_BYTES = 512 << 10
 # A part's runs (a tensor-parallel down projection: part of every row) with gaps shorter than
-# this are read as one span per call, the gaps landing in a scratch buffer: the disk reads whole
-# pages (16 KiB on Apple silicon) anyway, and one read per row would cost a call per row.
+# this are read as one span, gaps included: the disk reads whole pages (16 KiB on Apple silicon)
+# anyway, and one read per row would cost a call per row.
 SKIP_GAP_BYTES = 16 << 10
-
-
-def _iov_max() -> int:
-    """Buffers one ``preadv`` takes (1024 on Linux and macOS; POSIX promises 16)."""
-    try:
-        return max(os.sysconf("SC_IOV_MAX"), 16)
-    except (AttributeError, ValueError, OSError):
-        return 16
-
-
-_IOV_MAX = _iov_max()
 _gate_logged: set = set()
 
 
@@ -312,14 +301,13 @@ def _chunks(fd: int, start: int, into: np.ndarray, what: str) -> List[tuple]:
     ]
 
 
-def read_runs(
-    fd: int, start: int, stride: int, into: np.ndarray, what: str, scratch: np.ndarray
-) -> None:
+def read_runs(fd: int, start: int, stride: int, into: np.ndarray, what: str) -> None:
     """Read runs a ``stride`` apart from ``start`` into the rows of ``into`` (``[count, run]``).
 
-    Gaps shorter than ``SKIP_GAP_BYTES`` are read too, into ``scratch`` (never looked at), so
-    that a run of rows costs one ``preadv`` per ``IOV_MAX / 2`` rows; longer gaps are skipped,
-    one read per run.
+    Runs closer than ``SKIP_GAP_BYTES`` are read as one span, gaps included, into a buffer of
+    this call's own, and copied out: the disk reads every page of such a span whichever bytes
+    of it are kept, and a Python object per row (``preadv``'s buffers) cost more than the read
+    (docs/distributed.md). Longer gaps are skipped, one read per run.
 
     Raises:
         ExpertReadError: a read failed or came short of the file's end.
@@ -333,20 +321,9 @@ def read_runs(
         for k in range(count):
             readers.read_exact(fd, start + k * stride, memoryview(into[k]), what)
         return
-    hole = memoryview(scratch[:gap])
-    step = _IOV_MAX // 2
-    for k0 in range(0, count, step):
-        rows = range(k0, min(k0 + step, count))
-        buffers = [b for k in rows for b in (memoryview(into[k]), hole)][:-1]
-        try:
-            got = os.preadv(fd, buffers, start + k0 * stride)
-        except OSError as e:
-            raise ExpertReadError(
-                f"{what}: read of {len(rows)} runs at offset {start + k0 * stride} failed: {e}"
-            ) from e
-        if got != len(rows) * stride - gap:  # short (rare): the rest run by run, exactly
-            for k in rows:
-                readers.read_exact(fd, start + k * stride, memoryview(into[k]), what)
+    span = np.empty(count * stride, np.uint8)  # per call: the read threads share nothing
+    readers.read_exact(fd, start, memoryview(span[: count * stride - gap]), what)
+    into[:] = span.reshape(count, stride)[:, :run]
 
 
 class ShardedLayer:
@@ -358,8 +335,6 @@ class ShardedLayer:
     def __init__(self, source: LayerSource, shard: ExpertShard):
         self.source, self.layer = source, source.layer
         self.layout, self.spans = shard.layout, shard.spans
-        gaps = [s.stride - s.nbytes for s in self.spans if s.count > 1]
-        self._scratch = np.empty(max([g for g in gaps if g < SKIP_GAP_BYTES], default=0), np.uint8)
         self._maps: Dict[int, readers._Mapping] = {}
         # the file bytes the last expert (the furthest in every file) needs, per descriptor
         self._need: Dict[int, int] = {}
@@ -384,7 +359,7 @@ class ShardedLayer:
 
     def read_one(self, e: int, out: np.ndarray) -> None:
         for s, fd, off, what in self._located(e):
-            read_runs(fd, off, s.stride, self._into(s, out), what, self._scratch)
+            read_runs(fd, off, s.stride, self._into(s, out), what)
 
     def read_pread(self, experts, out: np.ndarray) -> None:
         for i, e in enumerate(experts):
@@ -408,7 +383,6 @@ class ShardedLayer:
                     s.stride,
                     into[k : k + step],
                     what,
-                    self._scratch,
                 )
                 for k in range(0, s.count, step)
             ]
