@@ -330,10 +330,11 @@ def gather_text(text: str, group: Optional[mx.distributed.Group]) -> List[str]:
     # finish first, so that every process's collectives come in the same order
     mx.synchronize(generation_stream)
     data = np.frombuffer(text.encode(), np.uint8)
-    sizes = mx.distributed.all_gather(mx.array([data.size]), group=group, stream=mx.cpu)
+    # on the group's own stream: the CPU's, but the GPU's under NCCL, which has no CPU path
+    sizes = mx.distributed.all_gather(mx.array([data.size]), group=group)
     padded = np.zeros(max(int(mx.max(sizes).item()), 1), np.uint8)
     padded[: data.size] = data
-    rows = mx.distributed.all_gather(mx.array(padded[None]), group=group, stream=mx.cpu)
+    rows = mx.distributed.all_gather(mx.array(padded[None]), group=group)
     rows_np, sizes_np = np.array(rows), np.array(sizes)
     return [bytes(rows_np[r, : sizes_np[r]]).decode() for r in range(group.size())]
 

@@ -278,8 +278,9 @@ def sharded_load(
             _replace_switch_modules(model, runtime, config, path)
             _attach_predictor(model, runtime)
         mx.eval(model.parameters(), mx.random.state)
-        # as mlx-lm: every process has loaded before the first collective of a forward pass
-        mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))
+        # as mlx-lm: every process has loaded before the first collective of a forward pass;
+        # on the group's own stream (mlx-lm's stream=mx.cpu fails under MLX 0.32's NCCL)
+        mx.eval(mx.distributed.all_sum(mx.array(1.0)))
         tokenizer = load_tokenizer(
             path, tokenizer_config, eos_token_ids=config.get("eos_token_id", None)
         )
