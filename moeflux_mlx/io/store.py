@@ -9,7 +9,6 @@ files; the RAM gate (``select_expert_io``) chooses between them.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
