@@ -89,6 +89,40 @@ def test_more_layers_than_the_trace_reuse_it_from_elsewhere(ckpt):
     assert [r._pos for r in routers] == [0, 20]
 
 
+class _Stage:
+    """What ``model.model.pipeline`` leaves a process: rank 0 of 2 keeps the last layer."""
+
+    def __init__(self, group_rank: int):
+        self._rank = group_rank
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return 2
+
+
+def test_a_pipeline_stage_replays_what_its_layers_replay_in_the_whole_model(ckpt):
+    trace = _trace()
+    whole, _ = mlx_load(str(ckpt))
+    drive_routing(whole, trace)
+    stage, _ = mlx_load(str(ckpt))
+    stage.model.pipeline(_Stage(0))  # layer 1 only
+    layers = sorted(expert_layout(ckpt).layers)
+    drive_routing(stage, trace, moe_layers=layers)
+    (kept,) = [layer for layer in stage.model.layers if layer is not None]
+    assert np.array_equal(kept.mlp.gate._rows, whole.model.layers[1].mlp.gate._rows)
+    assert kept.mlp.gate._pos == whole.model.layers[1].mlp.gate._pos
+    # without the whole model's layers, the stage's one layer would replay trace layer 0
+    other, _ = mlx_load(str(ckpt))
+    other.model.pipeline(_Stage(0))
+    drive_routing(other, trace)
+    (alone,) = [layer for layer in other.model.layers if layer is not None]
+    assert np.array_equal(alone.mlp.gate._rows, whole.model.layers[0].mlp.gate._rows)
+    with pytest.raises(TraceRoutingError, match=r"MoE layers \[1\] are not among \[0\]"):
+        drive_routing(stage, trace, moe_layers=[0])
+
+
 @pytest.mark.parametrize(
     "trace, message",
     [

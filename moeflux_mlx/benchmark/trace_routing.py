@@ -21,7 +21,7 @@ as right and as wrong as on the trained model, at the big model's read sizes.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -111,6 +111,7 @@ def drive_routing(
     trace: RoutingTrace,
     where: Union[str, Path] = "trace",
     predictions: Optional[str] = None,
+    moe_layers: Optional[Sequence[int]] = None,
 ) -> int:
     """Replace every MoE layer's router of ``model`` by a ``TraceRouter`` over ``trace``.
 
@@ -122,6 +123,9 @@ def drive_routing(
             where its predictions start, and a prefetching streamed model is handed them
             (``TracePredictor``). None: replay from the trace's start; a prefetching model then
             predicts from the replaced routers' weights, which says nothing.
+        moe_layers: the decoder layers of the whole model's MoE layers, where ``model`` holds
+            only some of them (a pipeline stage): each layer then replays what it replays in
+            the whole model. None: the model's own.
 
     Returns:
         The number of routers replaced.
@@ -130,9 +134,13 @@ def drive_routing(
         TraceRoutingError: the model has another number of experts or top-k than the trace, or
             a router that is not a plain linear layer (DeepSeek's ``MoEGate`` picks its own); or
             ``predictions`` names no recorded predictor, or the model has another number of MoE
-            layers than the trace.
+            layers than the trace, or holds a layer ``moe_layers`` lacks.
     """
     sites = _expert_sites(model)
+    order = list(moe_layers) if moe_layers is not None else [layer for _, layer in sites]
+    strays = sorted({layer for _, layer in sites} - set(order))
+    if strays:
+        raise TraceRoutingError(f"{where}: MoE layers {strays} are not among {order}")
     n_layers = len(trace.layers)
     experts = trace.num_experts[0]
     if len(set(trace.num_experts)) != 1:
@@ -144,7 +152,7 @@ def drive_routing(
             raise TraceRoutingError(
                 f"{where}: no recorded {predictions!r} predictions (it has: {have})"
             )
-        if len(sites) != n_layers:
+        if len(sites) != n_layers or len(order) != n_layers:
             raise TraceRoutingError(
                 f"{where}: replaying predictions needs the trace's {n_layers} MoE layers, the "
                 f"model has {len(sites)}"
@@ -153,7 +161,8 @@ def drive_routing(
     replaced = []
     tokens = trace.routed.shape[0]
     rows = [logit_rows(trace.routed[:, j], experts) for j in range(n_layers)]
-    for j, (path, layer) in enumerate(sites):
+    for path, layer in sites:
+        j = order.index(layer)  # the layer's place in the whole model
         found = find_router(model, path, layer, experts)
         if found is None:
             raise TraceRoutingError(
@@ -172,7 +181,7 @@ def drive_routing(
                 f"{where}: top-{trace.top_k}, the model's layer {layer} routes top-{k}"
             )
         # another reuse of the same trace layer starts elsewhere, so layers do not move together
-        start = offset + (j // n_layers) * (tokens // max(1, -(-len(sites) // n_layers)))
+        start = offset + (j // n_layers) * (tokens // max(1, -(-len(order) // n_layers)))
         replaced.append((router_path, TraceRouter(rows[j % n_layers], start)))
     model.update_modules(tree_unflatten(replaced))
     cache = getattr(getattr(model, "moeflux", None), "cache", None)
