@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import platform
+import re
 from pathlib import Path
 from typing import List, Optional
 
@@ -23,21 +24,30 @@ def machine_name() -> str:
         try:
             import subprocess
 
-            gpu = subprocess.run(
+            names = subprocess.run(
                 ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
                 capture_output=True,
                 text=True,
                 timeout=10,
-            ).stdout.strip()
+            ).stdout.splitlines()
+            names = [n.strip() for n in names if n.strip()]
         except (OSError, subprocess.SubprocessError):
-            gpu = "CUDA GPU"
+            names = []
+        # one line per GPU: "2 x NVIDIA H100 80GB HBM3" on a machine of two
+        gpu = (
+            (names[0] if len(names) == 1 else f"{len(names)} x {names[0]}") if names else "CUDA GPU"
+        )
     cpu = f"{platform.machine()} {psutil.cpu_count()} cores {psutil.virtual_memory().total / 2**30:.0f} GiB"
     return f"{gpu}, {cpu}" if gpu else cpu
 
 
 def machine_tag(machine: str) -> str:
-    """A short name for result files: ``h100`` for "NVIDIA H100 80GB HBM3, ...", ``cpu2``."""
+    """A short name for result files: ``h100`` for "NVIDIA H100 80GB HBM3, ...", ``h100x2`` for
+    "2 x NVIDIA H100 80GB HBM3, ...", ``cpu2``."""
     gpu = machine.split(",")[0] if "," in machine else ""
+    count = re.match(r"(\d+) x (.*)", gpu)
+    if count:
+        return f"{machine_tag(count.group(2) + ',')}x{count.group(1)}"
     words = [
         w
         for w in gpu.split()
