@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
@@ -39,7 +39,7 @@ def main(argv=None):
     p.add_argument("--backends", default="ops,auto")
     p.add_argument("--archs", default=",".join(synth.ARCHITECTURES))
     p.add_argument("--machine", default=None)
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument("--out", type=Path, default=Path(__file__).parents[1] / "results")
     args = p.parse_args(argv)
     rows = []
     root = Path(tempfile.mkdtemp())
