@@ -33,6 +33,16 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+from mlx_lm.generate import generate_step
+
+from ..model.load import load
+from ..model.sharded import sharded_load
+from .pagecache import PageCacheDropper, expert_files
+from .trace_routing import drive_routing, load_trace
+
 # what mlx.launch sets for a rank; a launch sets its own, never inherits them
 _LAUNCH_VARS = ("MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE", "NCCL_HOST_IP", "NCCL_PORT")
 
@@ -110,8 +120,6 @@ def start_ranks(argv, n: int, backend: str, where: Path, gpus: int = 0, outputs=
 
 def gpu_count() -> int:
     """CUDA GPUs MLX can use here (0 without a CUDA build)."""
-    import mlx.core as mx
-
     if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
         return 0
     try:
@@ -130,10 +138,6 @@ def _decode(model, prompt, tokens: int, on_first=None) -> dict:
     """Greedy decode of ``tokens`` tokens after ``prompt``: tokens, per-step log-prob digests and
     the chosen token's log-prob, seconds of prefill and of decode (timed from the first token;
     ``on_first`` runs before that)."""
-    import mlx.core as mx
-    import numpy as np
-    from mlx_lm.generate import generate_step
-
     mx.synchronize()
     t0 = time.perf_counter()
     steps = generate_step(prompt, model, max_tokens=tokens + 1)
@@ -179,8 +183,6 @@ def _barrier_on_group_stream(backend: str):
     """mlx-lm 0.32's ``sharded_load`` ends with an ``all_sum`` on ``stream=mx.cpu``, which MLX
     0.32's NCCL backend cannot run ("There is no Stream(gpu, 1) in current thread"): under NCCL,
     while stock loads, ``all_sum`` ignores the stream it is given (the group's own is the GPU's)."""
-    import mlx.core as mx
-
     if backend != "nccl":
         yield
         return
@@ -203,14 +205,6 @@ def run_step(step: dict, spec: dict, group) -> dict:
         ``{phase: decode results}`` (``_decode``'s, and the reads of a moeflux model), plus
         ``share``: the MB of experts this process holds of the whole model's.
     """
-    import mlx.core as mx
-    import mlx_lm
-
-    import moeflux_mlx
-
-    from .pagecache import PageCacheDropper, expert_files
-    from .trace_routing import drive_routing, load_trace
-
     layout = spec["layout"]
     groups = {}
     if group is not None:
@@ -232,9 +226,9 @@ def run_step(step: dict, spec: dict, group) -> dict:
             device_table=step.get("device_table"),
         )
         if groups:
-            model, _ = moeflux_mlx.sharded_load(spec["model"], **groups, **opts)
+            model, _ = sharded_load(spec["model"], **groups, **opts)
         else:
-            model, _ = moeflux_mlx.load(spec["model"], **opts)
+            model, _ = load(spec["model"], **opts)
         rt = model.moeflux
     out: Dict[str, dict] = {}
     try:
@@ -276,8 +270,6 @@ def run_job(spec: dict) -> dict:
         as ``{"error": "..."}`` and the next steps still run (so one failure leaves the others'
         figures), except in a group, where the other ranks would wait: there it is raised.
     """
-    import mlx.core as mx
-
     group = None
     if spec["layout"] != "single":
         group = mx.distributed.init(strict=True, backend=spec["backend"])
