@@ -39,10 +39,9 @@ import numpy as np  # noqa: E402
 from moeflux_mlx.benchmark.distributed import gpu_count, launch_job  # noqa: E402
 from moeflux_mlx.benchmark.pagecache import read_bandwidth  # noqa: E402
 from moeflux_mlx.benchmark.report import free_stem, machine_name, machine_tag  # noqa: E402
-from moeflux_mlx.commands.bench import benchmark_model  # noqa: E402
+from moeflux_mlx.commands.bench import add_model_args, benchmark_model  # noqa: E402
 from moeflux_mlx.commands.common import UsageError, main_for, user_cache_dir  # noqa: E402
 from moeflux_mlx.format.checkpoint import expert_layout  # noqa: E402
-from moeflux_mlx.testing import synth  # noqa: E402
 
 JOBS = ("single", "pipeline", "tensor")
 
@@ -334,12 +333,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("model", nargs="?", type=Path, help="checkpoint (default: build one)")
-    p.add_argument("--arch", default="qwen3_moe", choices=synth.ARCHITECTURES)
-    p.add_argument("--size", default="tiny", choices=synth.SIZES)
-    p.add_argument("--layers", type=int, default=None, help="decoder layers of the built model")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--build-dir", type=Path, default=user_cache_dir() / "bench-models")
+    add_model_args(p, size="tiny")
     p.add_argument(
         "--plain",
         dest="convert",

@@ -36,10 +36,13 @@ import moeflux_mlx  # noqa: E402
 from moeflux_mlx.benchmark.pagecache import drop_page_cache, expert_files  # noqa: E402
 from moeflux_mlx.benchmark.report import free_stem, machine_name, machine_tag  # noqa: E402
 from moeflux_mlx.benchmark.trace_routing import drive_routing, load_trace  # noqa: E402
-from moeflux_mlx.commands.bench import _budget_list, _io_list, benchmark_model  # noqa: E402
-from moeflux_mlx.commands.common import user_cache_dir  # noqa: E402
+from moeflux_mlx.commands.bench import (  # noqa: E402
+    _budget_list,
+    _io_list,
+    add_model_args,
+    benchmark_model,
+)
 from moeflux_mlx.format.checkpoint import expert_layout  # noqa: E402
-from moeflux_mlx.testing import synth  # noqa: E402
 
 
 def _floats(text: str):
@@ -230,12 +233,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("model", nargs="?", type=Path, help="checkpoint (default: build one)")
-    p.add_argument("--arch", default="qwen3_moe", choices=synth.ARCHITECTURES)
-    p.add_argument("--size", default="small", choices=synth.SIZES)
-    p.add_argument("--layers", type=int, default=None, help="decoder layers of the built model")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--build-dir", type=Path, default=user_cache_dir() / "bench-models")
+    add_model_args(p)
     p.add_argument("--convert", action="store_true", help="stream from a converted copy")
     p.add_argument("--routing-trace", type=Path, default=None, metavar="TRACE")
     p.add_argument("--prompt-tokens", type=int, default=512)

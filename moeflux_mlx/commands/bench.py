@@ -74,8 +74,9 @@ def _io_list(text: str) -> List[str]:
     return modes
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
-    """Arguments of ``moeflux-mlx bench`` and ``benchmarks/decode.py``."""
+def add_model_args(p: argparse.ArgumentParser, size: str = "small") -> None:
+    """The checkpoint a benchmark runs (``benchmark_model``'s): ``MODEL``, or one built from
+    ``--arch/--size/--layers/--set`` into ``--build-dir``."""
     p.add_argument(
         "model",
         nargs="?",
@@ -84,7 +85,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "converted (default: build a random-weight one with --arch/--size)",
     )
     p.add_argument("--arch", default="qwen3_moe", choices=synth.ARCHITECTURES)
-    p.add_argument("--size", default="small", choices=synth.SIZES)
+    p.add_argument("--size", default=size, choices=synth.SIZES)
     p.add_argument(
         "--layers", type=positive_int, help="number of decoder layers of the built model"
     )
@@ -102,6 +103,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=build_dir,
         help=f"where built models (and converted copies of them) are kept (default: {build_dir})",
     )
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``moeflux-mlx bench`` and ``benchmarks/decode.py``."""
+    add_model_args(p)
     p.add_argument(
         "--budgets",
         type=_budget_list,
