@@ -34,6 +34,7 @@ from typing import Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from moeflux_mlx.benchmark.distributed import gpu_count, launch_job  # noqa: E402
@@ -277,8 +278,6 @@ def run(args) -> int:
         jobs[job]["backend"] = backend
         if any(rc != 0 for rc in jobs[job]["rc"]):
             print(f"{job}: exit {jobs[job]['rc']}\n{jobs[job]['log']}", flush=True)
-    import mlx.core as mx
-
     result = dict(
         model=str(path),
         machine=machine_name(),

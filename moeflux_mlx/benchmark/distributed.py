@@ -15,8 +15,8 @@ trace where one is given, and greedy decodes from one prompt:
   were many times RAM; each rank counts its own reads.
 
 Each process writes what it saw (tokens, a digest and the chosen token's value of every step's
-log-probs, decode rate, its reads) as JSON; ``compare`` and the script ``benchmarks/
-distributed.py`` join the ranks and the jobs.
+log-probs, decode rate, its reads) as JSON; the script ``benchmarks/distributed.py`` joins the
+ranks and the jobs, and compares them.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def _decode(model, prompt, tokens: int, on_first=None) -> dict:
     t2 = time.perf_counter()
     for tok, lp in steps:
         out.append(int(tok))
-        lps.append(lp)  # kept lazy-free on the device; read after the timed loop
+        lps.append(lp)  # kept on the device; copied out after the timed loop
     mx.synchronize()
     t3 = time.perf_counter()
     rows = [np.array(lp.astype(mx.float32)).reshape(-1) for lp in lps]
@@ -235,14 +235,15 @@ def run_step(step: dict, spec: dict, group) -> dict:
         if spec.get("trace"):
             drive_routing(model, load_trace(spec["trace"]), spec["trace"], None, spec["moe_layers"])
         _decode(model, prompt, 4)  # warm-up: kernels of these shapes, allocator, page cache
-        files = expert_files(Path(spec["model"]))
         for phase in step.get("phases", ["warm"]):
             cold = phase == "cold" and rt is not None
             # pread: dropped throughout, as if the experts were many times RAM (docs/benchmarks.md)
-            dropping = PageCacheDropper(files) if cold else contextlib.nullcontext()
-            if rt is not None:
-                rt.reset_stats()
-            with dropping:
+            dropping = (
+                PageCacheDropper(expert_files(Path(spec["model"])))
+                if cold
+                else contextlib.nullcontext()
+            )
+            with dropping:  # the counters start at the first decoded token (on_first)
                 run = _decode(model, prompt, tokens, rt.reset_stats if rt is not None else None)
             if rt is not None:
                 run.update(_counters(rt, max(len(run["tokens"]) - 1, 1)))
