@@ -6,8 +6,9 @@ the model once, prefills the prompt, then decodes ``--decode-tokens`` tokens gre
 drafting up to K tokens a step for each K of ``--k``. The runs take turns, ``--repeats`` times
 in one process (the order rotates each round), and the table gives medians: decode tok/s, the
 median of each round's lookup ÷ plain ratio, the draft tokens accepted, tokens per forward pass,
-MB read and hit rate per token, and whether the tokens are identical to plain decoding (they
-must be: a mismatch is printed as MISMATCH and the script exits 1).
+MB read and hit rate per token, host syncs (MoE calls answered by one) per pass, and whether the
+tokens are identical to plain decoding (they must be: a mismatch is printed as MISMATCH and the
+script exits 1).
 
 Only the decode is timed: every run prefills the prompt but its last token the same way first,
 then decodes from that token, so both count the same tokens and passes from the same state.
@@ -276,6 +277,7 @@ def decode(
         "proposed": stats.proposed,
         "accepted": stats.accepted,
         "passes": stats.steps if k else len(tokens),
+        "synced_calls": t.calls - t.unsynced_calls,
     }
 
 
@@ -337,6 +339,7 @@ def run_budget(path: Path, fraction: float, ids: List[int], args) -> List[Dict]:
                 "tokens_per_pass": statistics.median(len(x["tokens"]) / x["passes"] for x in rs),
                 "mb_read_per_token": statistics.median(x["mb_read_per_token"] for x in rs),
                 "hit_rate": statistics.median(hits) if hits else None,
+                "syncs_per_pass": statistics.median(x["synced_calls"] / x["passes"] for x in rs),
                 "identical": all(x["tokens"] == plain[0]["tokens"] for x in rs),
                 "tokens": rs[0]["tokens"],
             }
@@ -356,7 +359,7 @@ def table(rows: List[Dict]) -> str:
     """The rows as a markdown table."""
     head = (
         "| cache | io | decode | decode tok/s | x plain | accepted | tokens/pass "
-        "| MB read/tok | hit | tokens identical |"
+        "| MB read/tok | hit | host syncs/pass | tokens identical |"
     )
     out = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
@@ -366,7 +369,7 @@ def table(rows: List[Dict]) -> str:
             f"| {r['decode_tps']:.2f} | {_fmt(r['ratio'], '.2f')} "
             f"| {_fmt(r['acceptance'], '.0%')} | {r['tokens_per_pass']:.2f} "
             f"| {r['mb_read_per_token']:.2f} | {_fmt(r['hit_rate'], '.0%')} "
-            f"| {'yes' if r['identical'] else 'MISMATCH'} |"
+            f"| {r['syncs_per_pass']:.1f} | {'yes' if r['identical'] else 'MISMATCH'} |"
         )
     return "\n".join(out)
 

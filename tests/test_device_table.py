@@ -14,6 +14,7 @@ import mlx_lm
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
 
 import moeflux_mlx
 from moeflux_mlx.cache.pool import host_view
@@ -25,6 +26,7 @@ from moeflux_mlx.cuda.runtime import PinnedBuffer
 from moeflux_mlx.errors import DeviceWaitError, ExpertReadError
 from moeflux_mlx.format.checkpoint import expert_layout
 from moeflux_mlx.io.store import open_store
+from moeflux_mlx.model.lookup_decoding import LookupStats, lookup_generate_step
 from moeflux_mlx.options import LoadOptions
 
 
@@ -37,6 +39,8 @@ def _wait_answer(control, i, seq, timeout=10):
 
 def reference_resolve(control, staging, layer, indices, raw, layout, wait_s, after=None):
     """What resolve_cuda.cuh + fill_cuda.cuh do, eagerly, from the main thread."""
+    if after is not None:  # the kernel's edge: it runs after that computation
+        mx.eval(after)
     t = control.layers[layer]
     i = t.index
     inds = np.array(indices).reshape(-1).astype(np.int64)
@@ -69,6 +73,7 @@ def reference_hint(control, staging, layer, indices, predicted, wait_s):
     pred = np.array(predicted).reshape(-1)
     t.hint[: pred.size] = pred
     t.header[cb.H_HINT_N] = pred.size
+    t.header[cb.H_HINT_TICK] = control.ticks[t.index]
     control.hints[t.index] += 1
     return indices
 
@@ -140,6 +145,49 @@ def test_decode_through_the_table_is_exact(table_on_cpu, reference, fraction):
         assert _pool_holds_the_right_experts(rt)
         assert rt.cache.control.fault() is None and not rt.cache.control.globals[cb.G_ERRORS]
         rt.cache.check()
+
+
+def test_speculative_passes_go_through_the_table_a_token_at_a_time(table_on_cpu, reference):
+    """Prompt-lookup passes of 3-5 tokens at a budget whose slots (4 of 16 experts, top-4) their
+    union outgrows: served by the table a token at a time, with no host sync, the union announced
+    to the miss server by the first token; tokens and log-probs as plain decoding's."""
+    packed, _, _, total = reference
+    model, tokenizer = moeflux_mlx.load(
+        packed, cache_budget=int(0.3 * total), expert_io="pread", backend="ops"
+    )
+    prompt = mx.array(tokenizer.encode("the quick brown fox jumps over the lazy dog " * 3))
+    with model.moeflux as rt:
+        want = [
+            (int(t), lp)
+            for (t, lp), _ in zip(generate_step(prompt, model, max_tokens=24), range(24))
+        ]
+        cache = make_prompt_cache(model)
+        model(prompt[None, :-1], cache=cache)  # the prefill: synced
+        mx.eval([c.state for c in cache])
+        rt.reset_stats()
+        stats = LookupStats()
+        got = list(
+            lookup_generate_step(
+                prompt[-1:],
+                model,
+                num_draft_tokens=4,
+                max_tokens=24,
+                prompt_cache=cache,
+                context=prompt[:-1].tolist(),
+                stats=stats,
+            )
+        )
+        assert [t for t, *_ in got] == [t for t, _ in want]
+        for (_, g, _), (_, w) in zip(got, want):
+            assert mx.array_equal(g, w).item()
+        assert stats.proposed > 0 and stats.steps < 24
+        rt.stats_dict()
+        t = rt.stats.total()
+        assert t.calls == t.unsynced_calls  # no host sync, passes included
+        assert t.tokens > stats.steps * len(rt.cache.control.layers)  # passes went token by token
+        assert t.experts_missed > 0 and t.prefetch_issued > 0  # the pass's union read ahead
+        assert _pool_holds_the_right_experts(rt)
+        assert rt.cache.control.fault() is None and not rt.cache.control.globals[cb.G_ERRORS]
 
 
 def test_all_mode_looks_up_fully_cached_layers_without_misses(table_on_cpu, reference):
@@ -390,6 +438,45 @@ def test_hints_are_read_ahead_and_taken_by_the_next_request(tiny_store):
         for k in range(n):
             e = expert_in[int(t.copy_dst[k])]
             assert (staging[t.copy_src[k]] == store.read(layer, np.array([e]))[0]).all(), e
+    finally:
+        server.close()
+
+
+def test_a_pass_hint_covers_its_tokens_calls_then_goes(tiny_store):
+    """A speculative pass's hint (every token's experts, as ``TableCache.waves`` publishes it):
+    its absent experts are read ahead for the pass's calls, its resident ones are kept through
+    the earlier tokens' misses, and what its last call did not take is dropped."""
+    store, layout = tiny_store
+    server = _server(store, layout, n_slots=4)
+    try:
+        c = server.control
+        layer = c.order[0]
+        t, i = c.layers[layer], c.layers[layer].index
+        server.staging_for(layout.layers[layer].blob_size, 2)
+        calls = iter(range(1, 100))
+
+        def call(experts):  # what resolve does on a miss, then the GPU finishing the call
+            seq = next(calls)
+            t.request[: len(experts)] = experts
+            t.header[cb.H_NREQ] = len(experts)
+            c.requests[i] = seq
+            _wait_answer(c, i, seq)
+            assert not t.header[cb.H_ERR]
+            c.ticks[i] += 1
+
+        call([0, 1])
+        call([2, 3])  # 0 is now the least recently used slot
+        reference_hint(
+            c, None, layer, mx.array(np.array([5, 6], np.uint32)), mx.array([5, 6, 0, 9]), 5.0
+        )  # two tokens of top-2: 5 6, then 0 9
+        _until(lambda: t.stats[cb.S_PF_ISSUED] == 3)  # 5, 6, 9: 0 is resident
+        call([5, 6])
+        assert t.slot_of[0] >= 0  # kept for the next token, though least recently used
+        assert t.stats[cb.S_PF_HITS] == 2
+        call([0, 4])  # the pass's last call, routed otherwise than drafted: 9 is not taken
+        assert t.stats[cb.S_PF_HITS] == 2
+        call([9, 1])  # after the pass: its read of 9 was dropped, 9 is read again
+        assert t.stats[cb.S_PF_HITS] == 2 and t.stats[cb.S_READ] == 2 + 2 + 2 + 1 + 2
     finally:
         server.close()
 

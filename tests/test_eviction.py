@@ -163,3 +163,20 @@ def test_no_policy_evicts_what_the_call_needs_on_random_traces(policy, n_slots, 
     ]
     p, misses = _run(POLICIES[policy], trace, n_slots=n_slots, num_experts=32)
     assert 0 < sum(map(len, misses)) < 300 * k
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_keep_holds_a_pass_s_later_experts_while_others_can_go(policy):
+    # slots hold 0, 1, 2, 3; 0 is the oldest and least used, so every policy would free it for
+    # 9, unless the call says the pass's next token routes to 0 (keep)
+    p2, _ = _run(POLICIES[policy], [[0]] + [[1, 2, 3]] * 3, n_slots=4, num_experts=16)
+    missing, victims = p2.admit(np.array([9]), 5, keep=np.array([0, 7]))  # 7: not resident
+    assert missing.tolist() == [9]
+    p2.assign(missing, victims, 5)
+    assert p2.slot_of[0] >= 0 and (p2.slot_of[[1, 2, 3]] >= 0).sum() == 2
+    # no room: the call's misses take kept slots too (and every policy's eviction ends)
+    p3, _ = _run(POLICIES[policy], [[0, 1, 2, 3]], n_slots=4)
+    missing, victims = p3.admit(np.array([4, 5, 6]), 2, keep=np.array([0, 1, 2, 3]))
+    assert len(set(victims.tolist())) == 3
+    p3.assign(missing, victims, 2)
+    assert (p3.slot_of[[4, 5, 6]] >= 0).all() and (p3.slot_of[:4] >= 0).sum() == 1

@@ -13,7 +13,9 @@ the default.
 
 Every policy frees only slots the call being admitted does not use: ``admit`` marks the call's
 hits used at its tick (``now``) before it asks for victims, and no policy picks a slot used at
-``now``.
+``now``. ``admit``'s ``keep`` (the experts a speculative pass's later tokens route to, served one
+token at a time by the device-side table) holds resident slots the same way, as far as the
+call's misses leave room.
 
 With the device-side table, ``slot_of`` is a view into the shared control block
 (``cuda.control_block``), read by the GPU, and ``device_last`` another, where the GPU records
@@ -47,9 +49,14 @@ class EvictionPolicy:
         self.clock = np.zeros(1, np.int64)  # one tick per call (the table's is in the block)
         self.now = 0  # the tick of the call being admitted (set by admit)
 
-    def admit(self, experts: np.ndarray, tick: int) -> Tuple[np.ndarray, np.ndarray]:
+    def admit(
+        self, experts: np.ndarray, tick: int, keep: Optional[np.ndarray] = None
+    ) -> Tuple[np.ndarray, np.ndarray]:
         """Mark the resident ones used; pick and free a victim slot for each missing one.
         Returns (missing, victims).
+
+        ``keep``: experts the next calls are known to route to (the later tokens of a
+        speculative pass): those resident are not freed while other slots can be.
 
         Victims are freed before their new bytes are written: an interrupted write must not
         leave a slot that claims an expert whose bytes never arrived."""
@@ -60,12 +67,26 @@ class EvictionPolicy:
         missing = experts[~hit]
         if not missing.size:
             return missing, slots[:0]
+        if keep is not None:
+            self.hold(self._keepable(keep, int(hit.sum()), missing.size), tick)
         victims = self.victims(missing.size)
         old = self.expert_in[victims]
         self.slot_of[old[old >= 0]] = -1
         self.expert_in[victims] = -1
         self.forget(victims)
         return missing, victims
+
+    def _keepable(self, keep: np.ndarray, hits: int, n_missing: int) -> np.ndarray:
+        """The slots of ``keep``'s resident experts, as many as leave ``n_missing`` slots free
+        to take besides the call's ``hits``."""
+        slots = self.slot_of[keep]
+        slots = np.unique(slots[slots >= 0])
+        room = self.expert_in.size - hits - n_missing
+        return slots[: max(room, 0)]
+
+    def hold(self, slots: np.ndarray, tick: int) -> None:
+        """Keep ``slots`` from being victims of the call at ``tick``, without counting a use."""
+        raise NotImplementedError
 
     def assign(self, missing: np.ndarray, victims: np.ndarray, tick: int) -> None:
         """The bytes of ``missing`` are in ``victims`` now."""
@@ -115,10 +136,16 @@ class LRUPolicy(EvictionPolicy):
     def touch(self, slots: np.ndarray, tick: int) -> None:
         self.last_used[slots] = tick
 
-    def admit(self, experts: np.ndarray, tick: int) -> Tuple[np.ndarray, np.ndarray]:
+    def hold(self, slots: np.ndarray, tick: int) -> None:
+        # every policy here skips slots last used at ``now`` (the call's own hits)
+        self.last_used[slots] = tick
+
+    def admit(
+        self, experts: np.ndarray, tick: int, keep: Optional[np.ndarray] = None
+    ) -> Tuple[np.ndarray, np.ndarray]:
         if self.device_last is not None:
             self._fold_device_uses()
-        return super().admit(experts, tick)
+        return super().admit(experts, tick, keep)
 
     def _fold_device_uses(self) -> None:
         assert self.device_last is not None

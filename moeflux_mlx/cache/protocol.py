@@ -4,12 +4,13 @@ One question per call: ``lookup(layer, x, indices, stats)`` -> ``(slots, pool)``
 the routed experts, resident by the time the returned (lazy) arrays are evaluated, and the pool
 they live in. Whether a host sync, the device-side table or full residency answers it is the
 cache's business. Then ``computed(out)`` tells the cache which computation reads those slots, so
-that no later write overtakes it.
+that no later write overtakes it. Before them, ``waves(layer, indices)`` may split a call into
+a lookup and a computation per token (the device-side table serves a speculative pass so).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Protocol, Tuple
+from typing import Callable, List, Optional, Protocol, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -29,6 +30,11 @@ class ExpertCache(Protocol):
         self, layer: int, x: mx.array, indices: mx.array, stats: LayerStats
     ) -> Tuple[mx.array, ExpertPool]:
         """Slots for ``indices`` (the router's ``[..., k]``) and the pool they index."""
+        ...
+
+    def waves(self, layer: int, indices: mx.array) -> Optional[List[mx.array]]:
+        """None: ``lookup`` takes the whole call. Else each token's indices (``[1, k]``, in
+        order), to be looked up and computed one after the other."""
         ...
 
     def computed(self, out: mx.array) -> None:

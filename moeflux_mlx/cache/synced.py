@@ -20,7 +20,7 @@ one without forcing it.
 from __future__ import annotations
 
 import time
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -194,6 +194,9 @@ class HostSyncCache:
         stats.experts_routed += len(experts)
         stats.sync_s += t1 - t0
         return mx.array(slot_of[inverse].reshape(idx.shape)), pool
+
+    def waves(self, layer: int, indices: mx.array) -> Optional[List[mx.array]]:
+        return None  # every call is looked up whole
 
     def computed(self, out: mx.array) -> None:
         if self._whole is not None:  # its pool is its own: nothing to order, nothing to force

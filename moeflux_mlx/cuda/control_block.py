@@ -46,7 +46,8 @@ from .shared_memory import SharedMapping, round_up
     H_HOST_NMISS,
     H_HOST_TICKS,
     H_HINT_N,
-) = range(10)
+    H_HINT_TICK,
+) = range(11)
 HEADER_WORDS = 12
 HOST_ADMIT, HOST_RELEASE = 1, 2  # host request kinds
 G_STOP, G_READY, G_ERRORS, G_PENDING_RELEASE = range(4)

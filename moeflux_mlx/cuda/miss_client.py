@@ -73,7 +73,6 @@ class MissServer:
             "control_fd": control.fd,
             "socket_fd": child.fileno(),
             "store": store.spec(),
-            "read_ahead": read_ahead,
             "eviction": eviction,
             "poll_us": poll_us,
             "poll_max_us": poll_max_us,

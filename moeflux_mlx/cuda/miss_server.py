@@ -10,11 +10,14 @@ It maps the control block and the staging buffers (shared memory, see control_bl
 the expert files itself, owns the eviction policy of every table layer, and loops: answer host requests
 (admit or release experts for the model process's synced calls), answer GPU requests (read the
 missing experts into the staging, pick victims, update the table and the copy list), release
-experts whose read failed once the GPU is past them, and, with prefetch, start reading the
-absent experts of each hint (the GPU's prediction of a layer's next routing) into buffers of its
-own, which that layer's next request takes instead of reading them again (set-based: order does
-not matter; predictions the router did not pick are dropped). It exits when told to stop or
-when the model process goes away (its socket closes).
+experts whose read failed once the GPU is past them, and start reading the absent experts of
+each hint into buffers of its own, which the layer's requests take instead of reading them again
+(set-based: order does not matter). A hint names the experts of the layer's next calls: with
+prefetch, the next call's predicted experts; for a speculative pass looked up a token at a time,
+the experts of all its tokens, so the pass's union is read at once and its resident experts are
+kept (``EvictionPolicy.admit``'s ``keep``) until its last token. What the hint's calls did not
+take is dropped after the last of them. It exits when told to stop or when the model process
+goes away (its socket closes).
 
 Started by ``miss_client.MissServer``: ``python -m moeflux_mlx.cuda.miss_server`` with a JSON
 spec on stdin.
@@ -42,6 +45,7 @@ from .control_block import (
     G_STOP,
     H_ERR,
     H_HINT_N,
+    H_HINT_TICK,
     H_HOST_KIND,
     H_HOST_N,
     H_HOST_NMISS,
@@ -71,7 +75,6 @@ STALL_S = 1.0  # in flight this long without progress: treated as idle (a graph 
 # token on an H100 VM, and a slow one nothing. A request resets it, so a miss waits at most
 # ~(POLL_GROWTH - 1) x the time since the previous request, or the first interval.
 POLL_GROWTH = 1.25
-READ_AHEAD_THREADS = 4  # whole-expert reads ahead, beside the store's demand reads
 
 
 def next_poll_interval(interval: float, cap: float) -> float:
@@ -102,13 +105,14 @@ class Server:
         self._mappings: List[SharedMapping] = []
         self.releases: List[Tuple[int, int, np.ndarray]] = []  # (index, GPU call, experts)
         self.alive = True
-        self.prefetcher = (
-            ThreadPoolExecutor(READ_AHEAD_THREADS, thread_name_prefix="prefetch")
-            if spec.get("read_ahead")
-            else None
-        )
+        # whole-expert reads of hinted experts, beside the store's demand reads (threads start
+        # on the first hint)
+        self.prefetcher = ThreadPoolExecutor(self.store.threads, thread_name_prefix="read-ahead")
         self.hints_seen = self.control.hints.copy()
         self.prefetched: Dict[int, Dict[int, Future]] = {}  # table index -> expert -> its read
+        # table index -> (the layer's GPU calls done when its hint was published, the hint's
+        # length, its experts): see _hint_span
+        self.hinted: Dict[int, Tuple[int, int, np.ndarray]] = {}
 
     # -- messages from the model process: staging buffers, wake-ups; EOF when it is gone ----
 
@@ -150,22 +154,41 @@ class Server:
         return layer, self.control.layers[layer], self.policies[layer]
 
     def take_hints(self) -> None:
-        """Start reading the absent experts of every new hint (prefetch)."""
+        """Start reading the absent experts of every new hint, in the hint's order (a pass's
+        first token first)."""
         c = self.control
         for i in np.flatnonzero(c.hints != self.hints_seen):
             i = int(i)
             self.hints_seen[i] = c.hints[i]
             layer, t, _ = self._layer(i)
-            experts = np.unique(t.hint[: min(int(t.header[H_HINT_N]), t.hint.size)])
-            experts = experts[(experts >= 0) & (experts < t.num_experts)]
+            n = min(int(t.header[H_HINT_N]), t.hint.size)
+            hint = t.hint[:n].astype(np.int64)
+            hint = hint[(hint >= 0) & (hint < t.num_experts)]
+            experts, first = np.unique(hint, return_index=True)
+            # the calls it covers: of the layer's GPU calls done when the GPU published it, the
+            # next ones, a call per router-call's worth of experts (top-k: a request's size)
+            self.hinted[i] = (int(t.header[H_HINT_TICK]), n, experts)
             pending = self.prefetched.setdefault(i, {})
             keep = set(experts.tolist())
             for e in [e for e in pending if e not in keep]:
-                pending.pop(e).cancel()  # only the latest prediction counts
-            for e in experts[t.slot_of[experts] < 0].tolist():
-                if e not in pending:
+                pending.pop(e).cancel()  # only the latest hint counts
+            for e in hint[np.sort(first)].tolist():
+                if t.slot_of[e] < 0 and e not in pending:
                     pending[e] = self.prefetcher.submit(self._read_one, layer, e)
                     t.stats[S_PF_ISSUED] += 1
+
+    def _hint_span(self, i: int, n_request: int) -> Tuple[int, np.ndarray]:
+        """(the last GPU call layer ``i``'s hint covers, its experts); (-1, none) without one."""
+        hinted = self.hinted.get(i)
+        if hinted is None or n_request <= 0:
+            return -1, np.zeros(0, np.int64)
+        tick, n, experts = hinted
+        return tick + max(1, -(-n // n_request)), experts
+
+    def _drop_hint(self, i: int) -> None:
+        self.hinted.pop(i, None)
+        for f in self.prefetched.pop(i, {}).values():
+            f.cancel()  # hinted, never routed
 
     def _read_one(self, layer: int, e: int) -> np.ndarray:
         buf = np.empty(self.store.layout(layer).blob_size, np.uint8)
@@ -177,7 +200,7 @@ class Server:
     ) -> np.ndarray:
         """Read ``missing`` into the staging's first rows, the prefetched ones from their
         buffers; returns the order the rows hold them in (read first, prefetched after)."""
-        pending = self.prefetched.pop(i, {})
+        pending = self.prefetched.get(i, {})
         bufs = {}
         for e in missing.tolist():
             f = pending.pop(e, None)
@@ -186,8 +209,6 @@ class Server:
                     bufs[e] = f.result()
                 except Exception:  # noqa: BLE001 - a prefetch is a hint: read it again below
                     pass
-        for f in pending.values():  # predicted, not routed
-            f.cancel()
         rest = np.array([e for e in missing.tolist() if e not in bufs], np.int64)
         if rest.size:
             self.store.read(layer, rest, staging[: rest.size])
@@ -200,9 +221,16 @@ class Server:
         c = self.control
         layer, t, policy = self._layer(i)
         seq = int(c.requests[i])
-        experts = np.unique(t.request[: int(t.header[H_NREQ])])
+        n_request = int(t.header[H_NREQ])
+        experts = np.unique(t.request[:n_request])
         tick = c.clock(i) + 1  # the waiting call's tick; the GPU counts the call when done
-        missing, victims = policy.admit(experts, tick)
+        call = int(c.ticks[i]) + 1  # the waiting call: the layer's GPU calls end in order
+        last, hinted = self._hint_span(i, n_request)
+        if call > last:
+            self._drop_hint(i)  # a stale hint's reads are not this call's
+        # a pass's later tokens: their resident experts stay through this call's misses
+        keep = hinted if call < last else None
+        missing, victims = policy.admit(experts, tick, keep)
         n = missing.size
         t.header[H_ERR] = 0
         try:
@@ -240,6 +268,8 @@ class Server:
             t.copy_dst[:n] = victims
             t.header[H_NCOPY] = n
             c.answers[i] = seq  # last: the GPU reads everything above once it sees this
+            if call >= last >= 0:
+                self._drop_hint(i)  # the hint's last call: what it did not take goes
 
     def answer_host(self, i: int) -> None:
         c = self.control
@@ -277,7 +307,7 @@ class Server:
         poll_s = self.poll_s
         while self.alive and not c.globals[G_STOP]:
             worked = False
-            if self.prefetcher is not None and (c.hints != self.hints_seen).any():
+            if (c.hints != self.hints_seen).any():
                 self.take_hints()
                 worked = True
             for i in c.host_pending():
@@ -302,8 +332,7 @@ class Server:
                     self._receive(block=False)
 
     def close(self) -> None:
-        if self.prefetcher is not None:
-            self.prefetcher.shutdown(wait=True, cancel_futures=True)
+        self.prefetcher.shutdown(wait=True, cancel_futures=True)
         self.store.close()
         for m in self._mappings:
             m.close()

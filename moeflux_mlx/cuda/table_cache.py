@@ -2,10 +2,14 @@
 
 Decode calls (one token) on partially cached layers look their slots up on the GPU
 (``table_kernels.resolve``), and only the GPU waits, only on misses, for the miss server process,
-which owns those layers' eviction policy (``miss_client``, ``miss_server``). Their synced calls
-(prefill) ask the server to admit experts into the same table and write the bytes themselves,
-in place. Fully cached layers stay as in ``BudgetCache`` (slot == expert id), unless
-``every_layer`` (benchmarks: the cost of the lookup itself).
+which owns those layers' eviction policy (``miss_client``, ``miss_server``). A short multi-token
+call (a speculative pass verifying a few draft tokens) is served the same way a token at a time
+(``waves``): its first token announces every token's experts, so the server reads the pass's
+union at once and keeps its resident experts until the last token, and no host sync is needed
+however many experts the pass routes to. Synced calls (prefill) ask the server to admit experts
+into the same table and write the bytes themselves, in place. Fully cached layers stay as in
+``BudgetCache`` (slot == expert id), unless ``every_layer`` (benchmarks: the cost of the lookup
+itself).
 
 Who writes what: the table (expert -> slot) and the policy's bookkeeping belong to the miss
 server; this process writes pool bytes only from synced calls, after waiting for every table call
@@ -30,7 +34,7 @@ from ..io.store import ExpertStore
 from ..options import LoadOptions
 from ..stats import LayerStats, Stats
 from . import table_kernels
-from .control_block import HOST_ADMIT, HOST_RELEASE, ControlBlock, TableLayer
+from .control_block import HOST_ADMIT, HOST_RELEASE, MAX_SELECTIONS, ControlBlock, TableLayer
 from .miss_client import MissServer
 from .runtime import PinnedBuffer
 
@@ -44,6 +48,11 @@ def table_layers(layout: ModelLayout, n_slots: dict, every_layer: bool = False) 
         if 0 < n < e or (every_layer and n == e):
             out[i] = (e, n)
     return out
+
+
+# tokens of a call served a token at a time (``waves``): a speculative pass verifies a few draft
+# tokens; a longer call (a prefill) takes one host sync instead of as many table calls
+MAX_WAVES = 8
 
 
 class TableCache(BudgetCache):
@@ -168,6 +177,24 @@ class TableCache(BudgetCache):
         stats.tokens += 1
         stats.experts_routed += indices.shape[-1]
         return slots, pool
+
+    def waves(self, layer: int, indices: mx.array) -> Optional[List[mx.array]]:
+        """A speculative pass's call on a table layer (2 or more tokens, all their selections
+        within a hint) as one table call per token, the first announcing every token's experts
+        (``table_kernels.hint``); None for any other call."""
+        if self._table(layer) is None:
+            return None
+        k = indices.shape[-1]
+        n = indices.size // k
+        if not 2 <= n <= MAX_WAVES or n * k > MAX_SELECTIONS:
+            return None
+        if not table_kernels.fits(k, self.n_slots[layer]):
+            return None
+        rows = indices.reshape(n, k)
+        first = table_kernels.hint(
+            self.control, self._staging_for(layer, k), layer, rows[:1], rows, self.wait_s
+        )
+        return [first] + [rows[t : t + 1] for t in range(1, n)]
 
     def computed(self, out: mx.array) -> None:
         if self._table_call:  # the next table call's lookup runs after it (resolve's ``after``)

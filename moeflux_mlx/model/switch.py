@@ -29,6 +29,15 @@ class StreamingSwitchGLU(nn.Module):
         rt.check_open()
         if self.layer == rt.first_layer:  # what the miss server or the GPU ran into since
             rt.cache.check()  # the last forward pass
+        waves = rt.cache.waves(self.layer, indices)
+        if waves is None:
+            return self._experts(x, indices)
+        rows = x.reshape(-1, x.shape[-1])
+        out = mx.concatenate([self._experts(rows[t : t + 1], w) for t, w in enumerate(waves)])
+        return out.reshape(*indices.shape, out.shape[-1])
+
+    def _experts(self, x: mx.array, indices: mx.array) -> mx.array:
+        rt = self._runtime
         stats = rt.stats.layer(self.layer)
         slots, pool = rt.cache.lookup(self.layer, x, indices, stats)
         t0 = time.perf_counter()
