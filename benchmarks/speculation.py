@@ -278,6 +278,13 @@ def decode(
         "accepted": stats.accepted,
         "passes": stats.steps if k else len(tokens),
         "synced_calls": t.calls - t.unsynced_calls,
+        "seconds": seconds,
+        "gpu_waits": t.gpu_waits,
+        "gpu_wait_s": t.gpu_wait_s,
+        "io_s": t.io_s,
+        "read_ahead": t.prefetch_issued,
+        "read_ahead_used": t.prefetch_hits,
+        "misses": t.experts_missed,
     }
 
 
@@ -340,11 +347,36 @@ def run_budget(path: Path, fraction: float, ids: List[int], args) -> List[Dict]:
                 "mb_read_per_token": statistics.median(x["mb_read_per_token"] for x in rs),
                 "hit_rate": statistics.median(hits) if hits else None,
                 "syncs_per_pass": statistics.median(x["synced_calls"] / x["passes"] for x in rs),
+                "per_pass": {  # where a pass's time goes (medians): see waits_table
+                    key: statistics.median(x[key] / x["passes"] for x in rs) for key in PER_PASS
+                },
                 "identical": all(x["tokens"] == plain[0]["tokens"] for x in rs),
                 "tokens": rs[0]["tokens"],
             }
         )
     return rows
+
+
+PER_PASS = ("seconds", "gpu_waits", "gpu_wait_s", "io_s", "misses", "read_ahead", "read_ahead_used")
+
+
+def waits_table(rows: List[Dict]) -> str:
+    """Per forward pass: its time, the GPU's waits for the miss server (device-side table) and
+    their time, the server's reading time, the experts missed and those read ahead (used)."""
+    head = (
+        "| cache | decode | ms/pass | GPU waits/pass | GPU wait ms/pass | read ms/pass "
+        "| missed/pass | read ahead/pass (used) |"
+    )
+    out = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for r in rows:
+        p = r["per_pass"]
+        budget = "100%" if r["budget"] >= 1 else f"{r['budget']:.0%}"
+        out.append(
+            f"| {budget} | {_name(r['k'])} | {1e3 * p['seconds']:.2f} | {p['gpu_waits']:.1f} "
+            f"| {1e3 * p['gpu_wait_s']:.2f} | {1e3 * p['io_s']:.2f} | {p['misses']:.1f} "
+            f"| {p['read_ahead']:.1f} ({p['read_ahead_used']:.1f}) |"
+        )
+    return "\n".join(out)
 
 
 def _name(k: int) -> str:
@@ -402,6 +434,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     md_table = table(rows)
     print(md_table)
+    print(waits_table(rows))
     mismatched = [r for r in rows if not r["identical"]]
     result = {
         "model": str(path),
@@ -433,6 +466,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         "one process, plain and lookup taking turns (x plain: the median of each round's ratio).",
         "",
         md_table,
+        "",
+        "Where a pass's time goes (medians per forward pass; the GPU's waits are the "
+        "device-side table's, the reads the miss server's or the host-synced path's):",
+        "",
+        waits_table(rows),
         "",
     ]
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
