@@ -305,8 +305,10 @@ def run_budget(path: Path, fraction: float, ids: List[int], args) -> List[Dict]:
     print(f"  budget {fraction:g}: prefilled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     runs: Dict[int, List[Dict]] = {k: [] for k in configs}
     try:
-        for k in configs:  # warm-up: kernels of these shapes, the allocator, the cache's fill
-            decode(model, prefilled, files, ids, min(8, args.decode_tokens), k, args.ngram, False)
+        # warm-up: kernels of these shapes (a pass's length varies: long enough to meet most),
+        # the allocator, the cache's fill
+        for k in configs:
+            decode(model, prefilled, files, ids, min(32, args.decode_tokens), k, args.ngram, False)
         for r in range(args.repeats):
             order = configs[r % len(configs) :] + configs[: r % len(configs)]
             for k in order:

@@ -490,6 +490,50 @@ def test_a_pass_hint_covers_its_tokens_calls_then_goes(tiny_store):
         server.close()
 
 
+def test_a_pass_token_s_request_admits_the_next_tokens_experts_that_fit(tiny_store):
+    """A pass's token that misses also admits the next tokens' experts while their union fits
+    the slots and the staging: those tokens then find every expert resident."""
+    store, layout = tiny_store
+    server = _server(store, layout, n_slots=4)
+    try:
+        c = server.control
+        layer = c.order[0]
+        t, i = c.layers[layer], c.layers[layer].index
+        blob = layout.layers[layer].blob_size
+        staging = server.staging_for(blob, 4).array.reshape(-1, blob)
+        seq = 0
+
+        def call(experts):
+            nonlocal seq
+            if (t.slot_of[experts] >= 0).all():  # resolve finds them: no request
+                c.ticks[i] += 1
+                return False
+            seq += 1
+            t.request[: len(experts)] = experts
+            t.header[cb.H_NREQ] = len(experts)
+            c.requests[i] = seq
+            _wait_answer(c, i, seq)
+            assert not t.header[cb.H_ERR]
+            c.ticks[i] += 1
+            return True
+
+        call([0, 1])
+        call([2, 3])
+        words = [5, 6, 0, 9, 7, 8]  # three tokens; the first two's union {0, 5, 6, 9} fits
+        reference_hint(c, None, layer, mx.array(np.array(words[:2], np.uint32)), mx.array(words), 5)
+        _until(lambda: t.stats[cb.S_PF_ISSUED] == 5)
+        assert call([5, 6])
+        assert (t.slot_of[[0, 5, 6, 9]] >= 0).all() and t.stats[cb.S_PF_HITS] == 3
+        assert not call([0, 9])  # the second token: resident already
+        assert call([7, 8])  # the third did not fit with them: its own request, read ahead
+        assert t.stats[cb.S_PF_HITS] == 5 and t.stats[cb.S_READ] == 2 + 2 + 3 + 2
+        for k in range(int(t.header[cb.H_NCOPY])):  # the copy list holds the right bytes
+            e = int(np.flatnonzero(t.slot_of == t.copy_dst[k])[0])
+            assert (staging[t.copy_src[k]] == store.read(layer, np.array([e]))[0]).all()
+    finally:
+        server.close()
+
+
 def test_decode_with_table_prefetch_is_exact(table_on_cpu, reference):
     packed, prompt, want, total = reference
     model, _ = moeflux_mlx.load(
@@ -558,7 +602,14 @@ def test_request_after_a_long_quiet_spell_is_answered_promptly(tiny_store):
         c = server.control
         t = c.layers[c.order[0]]
         server.staging_for(layout.layers[c.order[0]].blob_size, 4)
-        store.read(c.order[0], np.array([6]))  # in the page cache: the poll is timed, not a disk
+        # a first request (the server's first read opens files, starts threads), and expert 6
+        # in the page cache: what is timed below is the poll, not a disk or a first use
+        store.read(c.order[0], np.array([6]))
+        t.request[:1] = [5]
+        t.header[cb.H_NREQ] = 1
+        c.requests[t.index] = 1
+        _wait_answer(c, t.index, 1)
+        c.ticks[t.index] += 1
         c.expected[t.index] = c.ticks[t.index] + 1  # a table call in flight, the GPU silent
         # long past the ~20 empty polls that reach the cap, short of STALL_S (then it idles);
         # an interval growing without the cap would be ~0.2 s by now
@@ -566,8 +617,8 @@ def test_request_after_a_long_quiet_spell_is_answered_promptly(tiny_store):
         t.request[:1] = [6]
         t.header[cb.H_NREQ] = 1
         start = time.monotonic()
-        c.requests[t.index] = 1
-        _wait_answer(c, t.index, 1)
+        c.requests[t.index] = 2
+        _wait_answer(c, t.index, 2)
         waited = time.monotonic() - start
         assert waited < 0.05, f"{waited * 1e3:.1f} ms to answer (cap {server_cap_ms} ms)"
         assert t.slot_of[6] >= 0

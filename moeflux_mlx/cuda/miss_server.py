@@ -14,10 +14,11 @@ experts whose read failed once the GPU is past them, and start reading the absen
 each hint into buffers of its own, which the layer's requests take instead of reading them again
 (set-based: order does not matter). A hint names the experts of the layer's next calls: with
 prefetch, the next call's predicted experts; for a speculative pass looked up a token at a time,
-the experts of all its tokens, so the pass's union is read at once and its resident experts are
-kept (``EvictionPolicy.admit``'s ``keep``) until its last token. What the hint's calls did not
-take is dropped after the last of them. It exits when told to stop or when the model process
-goes away (its socket closes).
+the experts of all its tokens, so the pass's union is read at once, a token's request admits the
+next tokens' experts too as far as the slots and the staging allow (those tokens then need no
+request), and the pass's other resident experts are kept (``EvictionPolicy.admit``'s ``keep``)
+until its last token. What the hint's calls did not take is dropped after the last of them. It
+exits when told to stop or when the model process goes away (its socket closes).
 
 Started by ``miss_client.MissServer``: ``python -m moeflux_mlx.cuda.miss_server`` with a JSON
 spec on stdin.
@@ -31,6 +32,7 @@ import socket
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 import numpy as np
@@ -82,6 +84,48 @@ def next_poll_interval(interval: float, cap: float) -> float:
     return min(interval * POLL_GROWTH, cap)
 
 
+@dataclass
+class Hint:
+    """A table layer's latest hint: the layer's GPU calls done when the GPU published it
+    (``tick``), and the experts (``words``, as published: a router call's top-k after another,
+    the first for the next call)."""
+
+    tick: int
+    words: np.ndarray
+
+    def last_call(self, n_request: int) -> int:
+        """The last of the layer's GPU calls the hint covers: a call per ``n_request`` words."""
+        return self.tick + max(1, -(-self.words.size // max(n_request, 1)))
+
+    def experts(self, num_experts: int) -> np.ndarray:
+        w = self.words
+        return np.unique(w[(w >= 0) & (w < num_experts)])
+
+    def admit_with(
+        self,
+        experts: np.ndarray,
+        call: int,
+        n_request: int,
+        slot_of: np.ndarray,
+        n_slots: int,
+        max_missing: int,
+    ) -> np.ndarray:
+        """``experts`` (call ``call``'s) and those of the calls after it that the hint names, a
+        call's at a time while the union fits the slots and its absent experts the staging: the
+        pass's later tokens then find them resident instead of waiting for the server again."""
+        if n_request <= 0 or self.words.size % n_request:
+            return experts
+        rows = self.words.reshape(-1, n_request)
+        union = experts
+        for row in rows[call - self.tick :]:  # row call - tick - 1 is this call's
+            row = row[(row >= 0) & (row < slot_of.size)]
+            more = np.union1d(union, row)
+            if more.size > n_slots or int((slot_of[more] < 0).sum()) > max_missing:
+                break
+            union = more
+        return union
+
+
 class Server:
     def __init__(self, spec: dict):
         self.control = ControlBlock(
@@ -110,9 +154,7 @@ class Server:
         self.prefetcher = ThreadPoolExecutor(self.store.threads, thread_name_prefix="read-ahead")
         self.hints_seen = self.control.hints.copy()
         self.prefetched: Dict[int, Dict[int, Future]] = {}  # table index -> expert -> its read
-        # table index -> (the layer's GPU calls done when its hint was published, the hint's
-        # length, its experts): see _hint_span
-        self.hinted: Dict[int, Tuple[int, int, np.ndarray]] = {}
+        self.hinted: Dict[int, Hint] = {}  # table index -> its latest hint
 
     # -- messages from the model process: staging buffers, wake-ups; EOF when it is gone ----
 
@@ -165,9 +207,7 @@ class Server:
             hint = t.hint[:n].astype(np.int64)
             hint = hint[(hint >= 0) & (hint < t.num_experts)]
             experts, first = np.unique(hint, return_index=True)
-            # the calls it covers: of the layer's GPU calls done when the GPU published it, the
-            # next ones, a call per router-call's worth of experts (top-k: a request's size)
-            self.hinted[i] = (int(t.header[H_HINT_TICK]), n, experts)
+            self.hinted[i] = Hint(int(t.header[H_HINT_TICK]), t.hint[:n].astype(np.int64))
             pending = self.prefetched.setdefault(i, {})
             keep = set(experts.tolist())
             for e in [e for e in pending if e not in keep]:
@@ -176,14 +216,6 @@ class Server:
                 if t.slot_of[e] < 0 and e not in pending:
                     pending[e] = self.prefetcher.submit(self._read_one, layer, e)
                     t.stats[S_PF_ISSUED] += 1
-
-    def _hint_span(self, i: int, n_request: int) -> Tuple[int, np.ndarray]:
-        """(the last GPU call layer ``i``'s hint covers, its experts); (-1, none) without one."""
-        hinted = self.hinted.get(i)
-        if hinted is None or n_request <= 0:
-            return -1, np.zeros(0, np.int64)
-        tick, n, experts = hinted
-        return tick + max(1, -(-n // n_request)), experts
 
     def _drop_hint(self, i: int) -> None:
         self.hinted.pop(i, None)
@@ -225,11 +257,18 @@ class Server:
         experts = np.unique(t.request[:n_request])
         tick = c.clock(i) + 1  # the waiting call's tick; the GPU counts the call when done
         call = int(c.ticks[i]) + 1  # the waiting call: the layer's GPU calls end in order
-        last, hinted = self._hint_span(i, n_request)
+        hint = self.hinted.get(i)
+        last = -1 if hint is None else hint.last_call(n_request)
         if call > last:
             self._drop_hint(i)  # a stale hint's reads are not this call's
-        # a pass's later tokens: their resident experts stay through this call's misses
-        keep = hinted if call < last else None
+            hint = None
+        keep = None
+        if hint is not None and call < last:  # a pass's token, more to come
+            blob = self.store.layout(layer).blob_size
+            rows = self.staging[blob].shape[0] if blob in self.staging else n_request
+            experts = hint.admit_with(experts, call, n_request, t.slot_of, t.n_slots, rows)
+            # the rest of the pass's resident experts stay through the misses
+            keep = np.setdiff1d(hint.experts(t.num_experts), experts)
         missing, victims = policy.admit(experts, tick, keep)
         n = missing.size
         t.header[H_ERR] = 0

@@ -279,12 +279,14 @@ def hint(
     """``indices`` passed on (lazy), once ``predicted`` (the experts the router of ``layer``, the
     next table layer, is predicted to pick) is published for the miss server to read ahead.
     ``wait_s``: the GPU's wait limit (``_header``)."""
-    n, k = indices.size, predicted.size
-    kwargs = control.layers[layer].launches.get(("hint", n, k))
+    n = indices.size
+    if predicted.size > MAX_SELECTIONS:
+        raise ValueError(f"a hint names at most {MAX_SELECTIONS} experts, got {predicted.size}")
+    kwargs = control.layers[layer].launches.get(("hint", n))
     if kwargs is None:
-        threads = _warps(max(n, k))
-        kwargs = control.layers[layer].launches[("hint", n, k)] = dict(
-            template=[("N", n), ("K", k)],
+        threads = _warps(n)
+        kwargs = control.layers[layer].launches[("hint", n)] = dict(
+            template=[("N", n)],
             grid=(threads, 1, 1),
             threadgroup=(threads, 1, 1),
             output_shapes=[(n,)],
@@ -335,10 +337,12 @@ def resolve(
 
 
 def staging_rows(top_k: int) -> int:
-    return max(1, min(top_k, MAX_SELECTIONS))
+    """Rows of a layout's staging: a token's misses, or two tokens' when a speculative pass's
+    request admits the next token's experts with its own (``miss_server.Hint``)."""
+    return max(1, min(2 * top_k, MAX_SELECTIONS))
 
 
 def fits(n_selected: int, n_slots: int) -> bool:
     """Whether a call routing ``n_selected`` experts can take the table path on a layer with
-    ``n_slots`` slots (it needs a slot for each, and staging is sized for one token)."""
+    ``n_slots`` slots (it needs a slot for each)."""
     return 0 < n_selected <= min(MAX_SELECTIONS, n_slots)
