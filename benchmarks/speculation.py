@@ -16,9 +16,10 @@ With ``--cold`` the expert files are dropped from the page cache before each dec
 ``pread`` mode, kept dropped throughout it by a helper process (mapped pages cannot be dropped:
 ``mmap`` decodes are cold only at their start).
 
-    python benchmarks/speculation.py [MODEL] [--budgets 0.25,1] [--k 2,4,6] [--decode-tokens 128]
-        [--repeats 3] [--cold] [--expert-io pread] [--backend auto] [--prompt code|quote]
-        [--prompt-file FILE] [--machine NAME] [--out benchmarks/results] [--quick]
+    python benchmarks/speculation.py [MODEL] [--convert DIR] [--budgets 0.25,1] [--k 2,4,6]
+        [--decode-tokens 128] [--repeats 3] [--cold] [--expert-io pread] [--backend auto]
+        [--prompt code|quote] [--prompt-file FILE] [--machine NAME] [--out benchmarks/results]
+        [--quick]
 
 Without MODEL it uses the built-in demo model. Writes ``DATE-MACHINE-speculation.{md,json}`` to
 ``--out``, never over an existing result (``-2``, ``-3``, ... is added).
@@ -51,7 +52,8 @@ from moeflux_mlx.benchmark.pagecache import (  # noqa: E402
     expert_files,
 )
 from moeflux_mlx.errors import MoefluxError  # noqa: E402
-from moeflux_mlx.format.checkpoint import expert_layout  # noqa: E402
+from moeflux_mlx.format.checkpoint import expert_layout, is_packed  # noqa: E402
+from moeflux_mlx.format.convert import convert  # noqa: E402
 from moeflux_mlx.model.load import load  # noqa: E402
 from moeflux_mlx.model.lookup_decoding import LookupStats, lookup_generate_step  # noqa: E402
 
@@ -125,6 +127,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         description="prompt-lookup speculation against plain decoding, on a repetitive prompt"
     )
     p.add_argument("model", nargs="?", help="a checkpoint (default: the built-in demo model)")
+    p.add_argument(
+        "--convert",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="stream the experts from a converted copy of the model (one contiguous blob per "
+        "expert, as for a model larger than RAM), made once in DIR",
+    )
     p.add_argument(
         "--budgets",
         type=_list(float),
@@ -418,6 +428,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             text, prompt_name = PROMPTS[args.prompt], args.prompt
         ids = prompt_ids(load_tokenizer(path), text, not args.no_chat_template)
+        if args.convert is not None and not is_packed(path):
+            packed = args.convert.expanduser() / (path.name + "-packed")
+            convert(path, packed, progress=False)  # nothing to do once made
+            path = packed
         if len(ids) < 2:
             print("speculation.py: error: the prompt needs at least 2 tokens", file=sys.stderr)
             return 2
