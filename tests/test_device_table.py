@@ -409,17 +409,38 @@ def _until(what, timeout=10):
         time.sleep(1e-3)
 
 
+def _first_layer(server, layout, rows):
+    """(control block, the first table layer, its words, a staging of ``rows`` rows for it)."""
+    c = server.control
+    layer = c.order[0]
+    blob = layout.layers[layer].blob_size
+    return c, layer, c.layers[layer], server.staging_for(blob, rows).array.reshape(-1, blob)
+
+
+def _gpu_call(control, layer, experts) -> bool:
+    """What resolve_cuda.cuh does for a call of ``experts``: a request when one is absent,
+    answered by the miss server; then the call ends. Whether it asked."""
+    t = control.layers[layer]
+    i = t.index
+    asked = bool((t.slot_of[experts] < 0).any())
+    if asked:
+        seq = int(control.answers[i]) + 1
+        t.request[: len(experts)] = experts
+        t.header[cb.H_NREQ] = len(experts)
+        control.requests[i] = seq
+        _wait_answer(control, i, seq)
+        assert not t.header[cb.H_ERR]
+    control.ticks[i] += 1
+    return asked
+
+
 def test_hints_are_read_ahead_and_taken_by_the_next_request(tiny_store):
     """Prefetch on the table path: the server reads a hint's absent experts ahead, the layer's
     next request takes those bytes (set-based), and a newer hint replaces an older one."""
     store, layout = tiny_store
     server = _server(store, layout, read_ahead=True)
     try:
-        c = server.control
-        layer = c.order[0]
-        t, i = c.layers[layer], c.layers[layer].index
-        blob = layout.layers[layer].blob_size
-        staging = server.staging_for(blob, 4).array.reshape(-1, blob)
+        c, layer, t, staging = _first_layer(server, layout, rows=4)
 
         def publish_hint(experts):
             reference_hint(
@@ -435,11 +456,7 @@ def test_hints_are_read_ahead_and_taken_by_the_next_request(tiny_store):
         _until(lambda: t.stats[cb.S_PF_ISSUED] == 1)
         publish_hint([3, 5])  # replaces [9]
         _until(lambda: t.stats[cb.S_PF_ISSUED] == 3)
-        t.request[:3] = [3, 7, 9]
-        t.header[cb.H_NREQ] = 3
-        c.requests[i] = 1
-        _wait_answer(c, i, 1)
-        assert not t.header[cb.H_ERR]
+        assert _gpu_call(c, layer, [3, 7, 9])
         assert t.stats[cb.S_MISSED] == 3 and t.stats[cb.S_PF_HITS] == 1  # 3 only: 9 was replaced
         n = int(t.header[cb.H_NCOPY])
         assert n == 3
@@ -458,20 +475,10 @@ def test_a_pass_hint_covers_its_tokens_calls_then_goes(tiny_store):
     store, layout = tiny_store
     server = _server(store, layout, n_slots=4)
     try:
-        c = server.control
-        layer = c.order[0]
-        t, i = c.layers[layer], c.layers[layer].index
-        server.staging_for(layout.layers[layer].blob_size, 2)
-        calls = iter(range(1, 100))
+        c, layer, t, _ = _first_layer(server, layout, rows=2)
 
-        def call(experts):  # what resolve does on a miss, then the GPU finishing the call
-            seq = next(calls)
-            t.request[: len(experts)] = experts
-            t.header[cb.H_NREQ] = len(experts)
-            c.requests[i] = seq
-            _wait_answer(c, i, seq)
-            assert not t.header[cb.H_ERR]
-            c.ticks[i] += 1
+        def call(experts):
+            assert _gpu_call(c, layer, experts)  # every call here misses
 
         call([0, 1])
         call([2, 3])  # 0 is now the least recently used slot
@@ -496,26 +503,10 @@ def test_a_pass_token_s_request_admits_the_next_tokens_experts_that_fit(tiny_sto
     store, layout = tiny_store
     server = _server(store, layout, n_slots=4)
     try:
-        c = server.control
-        layer = c.order[0]
-        t, i = c.layers[layer], c.layers[layer].index
-        blob = layout.layers[layer].blob_size
-        staging = server.staging_for(blob, 4).array.reshape(-1, blob)
-        seq = 0
+        c, layer, t, staging = _first_layer(server, layout, rows=4)
 
         def call(experts):
-            nonlocal seq
-            if (t.slot_of[experts] >= 0).all():  # resolve finds them: no request
-                c.ticks[i] += 1
-                return False
-            seq += 1
-            t.request[: len(experts)] = experts
-            t.header[cb.H_NREQ] = len(experts)
-            c.requests[i] = seq
-            _wait_answer(c, i, seq)
-            assert not t.header[cb.H_ERR]
-            c.ticks[i] += 1
-            return True
+            return _gpu_call(c, layer, experts)
 
         call([0, 1])
         call([2, 3])
