@@ -320,6 +320,30 @@ def test_failed_read_raises_at_the_next_call_then_recovers(table_on_cpu, referen
         assert _pool_holds_the_right_experts(rt)
 
 
+def test_failed_read_in_a_speculative_pass_yields_none_of_its_tokens(table_on_cpu, reference):
+    """Prompt lookup through the table: a pass whose reads failed (poisoned slots) raises the
+    error naming the file before yielding any token it computed."""
+    packed, prompt, _, total = reference
+    model, _ = moeflux_mlx.load(
+        packed, cache_budget=int(0.3 * total), expert_io="pread", backend="ops"
+    )
+    layer0 = min(expert_layout(packed).layers)
+    path = packed / "packed_experts" / f"layer_{layer0:02d}.bin"
+    data = path.read_bytes()
+    got = []
+    with model.moeflux:
+        with open(path, "r+b") as f:
+            f.truncate(0)
+        try:
+            with pytest.raises(ExpertReadError, match=f"layer_{layer0:02d}.bin"):
+                for step in lookup_generate_step(prompt[:1], model, max_tokens=4):
+                    got.append(step)
+        finally:
+            with open(path, "r+b") as f:
+                f.write(data)
+    assert got == []
+
+
 def test_gpu_fault_raises(table_on_cpu, reference):
     packed, _, _, total = reference
     model, _ = moeflux_mlx.load(packed, cache_budget=int(0.3 * total))

@@ -229,6 +229,9 @@ def lookup_generate_step(
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         tokens = sampler(logprobs)
         mx.eval(tokens, logprobs)
+        runtime = getattr(model, "moeflux", None)
+        if runtime is not None:  # streamed: a read that failed in this pass raises before any
+            runtime.cache.check()  # of its tokens is yielded (not at the next pass)
         return _ids(tokens), logprobs
 
     in_cache = len(known.tokens) - len(prompt_ids)  # tokens of ``known`` the cache holds
