@@ -80,6 +80,39 @@ def test_replay_table_counts_misses_per_token():
     assert row["slots"] == [2, 2]
     # layer 0: 1 2 3 1 with 2 slots: LRU misses all 4, Belady 3; layer 1: one miss
     assert row["lru"] == (4 + 1) / 4 and row["opt"] == (3 + 1) / 4
+    assert R.HINDSIGHT not in table["columns"]  # one half-life: nothing to choose
+
+
+def test_hindsight_picks_each_layer_s_best_half_life():
+    rng = np.random.default_rng(3)
+    hot = [rng.choice(32, 8, replace=False) for _ in range(2)]
+    routed = np.stack(  # two layers, one skewed, one bursty: their best half-lives differ
+        [
+            np.stack(
+                [
+                    rng.choice(hot[0] if rng.random() < 0.8 else 32, 2, replace=False)
+                    for _ in range(200)
+                ]
+            ),
+            np.stack(
+                [rng.choice((hot[1] + 8 * (t // 50)) % 32, 2, replace=False) for t in range(200)]
+            ),
+        ],
+        axis=1,
+    )
+    trace = R.RoutingTrace(
+        routed=routed, layers=[0, 1], num_experts=[32, 32], tokens=np.arange(200)
+    )
+    table = R.replay_table(trace, budgets=[0.25], half_lives=[2, 64])
+    row = table["rows"][0]
+    assert table["columns"][-1] == R.HINDSIGHT
+    assert row[R.HINDSIGHT] < min(row["decay 2"], row["decay 64"])  # the layers differ
+    factories = R.policy_factories([2, 64])
+    best = sum(
+        min(R.misses(routed[:, i], 32, 8, factories[n]) for n in ("decay 2", "decay 64"))
+        for i in range(2)
+    )
+    assert row[R.HINDSIGHT] == best / 200
 
 
 def test_window_reuse_and_recall_hand_trace():
