@@ -27,7 +27,7 @@ from moeflux_mlx.cuda.table_cache import MAX_WAVES
 from moeflux_mlx.errors import DeviceWaitError, ExpertReadError
 from moeflux_mlx.format.checkpoint import expert_layout
 from moeflux_mlx.io.store import open_store
-from moeflux_mlx.model.lookup_decoding import LookupStats, lookup_generate_step
+from moeflux_mlx.model.lookup_decoding import LookupStats, NgramIndex, lookup_generate_step
 from moeflux_mlx.options import LoadOptions
 
 
@@ -186,7 +186,7 @@ def test_speculative_passes_go_through_the_table_a_token_at_a_time(table_on_cpu,
         rt.stats_dict()
         t = rt.stats.total()
         assert t.calls == t.unsynced_calls  # no host sync, passes included
-        assert t.tokens > stats.steps * len(rt.cache.control.layers)  # passes went token by token
+        assert t.calls == t.tokens  # every call of one token: the passes went token by token
         assert t.experts_missed > 0 and t.prefetch_issued > 0  # the pass's union read ahead
         assert _pool_holds_the_right_experts(rt)
         assert rt.cache.control.fault() is None and not rt.cache.control.globals[cb.G_ERRORS]
@@ -331,12 +331,19 @@ def test_failed_read_in_a_speculative_pass_yields_none_of_its_tokens(table_on_cp
     path = packed / "packed_experts" / f"layer_{layer0:02d}.bin"
     data = path.read_bytes()
     got = []
+    ids = prompt.tolist()
+    drafts = NgramIndex(1, 3)
+    drafts.extend(ids + ids[:1])
+    assert drafts.draft(3)  # the last token seen before, with what followed: the pass drafts
     with model.moeflux:
         with open(path, "r+b") as f:
             f.truncate(0)
         try:
             with pytest.raises(ExpertReadError, match=f"layer_{layer0:02d}.bin"):
-                for step in lookup_generate_step(prompt[:1], model, max_tokens=4):
+                steps = lookup_generate_step(
+                    mx.array(ids[:1]), model, context=ids, max_tokens=4, num_draft_tokens=3
+                )
+                for step in steps:
                     got.append(step)
         finally:
             with open(path, "r+b") as f:
@@ -515,8 +522,11 @@ def test_a_pass_hint_covers_its_tokens_calls_then_goes(tiny_store):
         assert t.stats[cb.S_PF_HITS] == 2
         call([0, 4])  # the pass's last call, routed otherwise than drafted: 9 is not taken
         assert t.stats[cb.S_PF_HITS] == 2
-        call([9, 1])  # after the pass: its read of 9 was dropped, 9 is read again
-        assert t.stats[cb.S_PF_HITS] == 2 and t.stats[cb.S_READ] == 2 + 2 + 2 + 1 + 2
+        # its read of 9 went with the last call: a new hint naming 9 reads it again
+        reference_hint(c, None, layer, mx.array(np.array([9], np.uint32)), mx.array([9]), 5.0)
+        _until(lambda: t.stats[cb.S_PF_ISSUED] == 4)
+        call([9, 1])
+        assert t.stats[cb.S_PF_HITS] == 3 and t.stats[cb.S_READ] == 2 + 2 + 2 + 1 + 2
     finally:
         server.close()
 
@@ -546,6 +556,39 @@ def test_a_pass_token_s_request_admits_the_next_tokens_experts_that_fit(tiny_sto
             e = int(np.flatnonzero(t.slot_of == t.copy_dst[k])[0])
             assert (staging[t.copy_src[k]] == store.read(layer, np.array([e]))[0]).all()
     finally:
+        server.close()
+
+
+def test_a_failed_read_frees_the_later_tokens_experts_at_once(tiny_store, tiny_checkpoints):
+    """A pass's request that admitted the next token's experts too, and whose reads failed: the
+    call's own poisoned slots are freed once the GPU is past it, the next token's at once (it
+    must ask for them again, not compute on poisoned slots)."""
+    store, layout = tiny_store
+    server = _server(store, layout, n_slots=4)
+    c, layer, t, _ = _first_layer(server, layout, rows=4)
+    path = tiny_checkpoints["qwen3_moe"][1] / "packed_experts" / f"layer_{layer:02d}.bin"
+    data = path.read_bytes()
+    try:
+        assert _gpu_call(c, layer, [0, 1]) and _gpu_call(c, layer, [2, 3])
+        with open(path, "r+b") as f:
+            f.truncate(0)
+        reference_hint(
+            c, None, layer, mx.array(np.array([5, 6], np.uint32)), mx.array([5, 6, 0, 9]), 5.0
+        )
+        t.request[:2] = [5, 6]
+        t.header[cb.H_NREQ] = 2
+        seq = int(c.answers[t.index]) + 1
+        c.requests[t.index] = seq
+        _wait_answer(c, t.index, seq)
+        assert t.header[cb.H_ERR] and int(t.header[cb.H_NCOPY]) == 3  # 5, 6 and 9 poisoned
+        assert t.slot_of[9] < 0  # the next token's: freed at once
+        assert t.slot_of[5] >= 0 and t.slot_of[6] >= 0  # this call's: it still reads them
+        c.ticks[t.index] += 1  # the GPU is past the call
+        _until(lambda: t.slot_of[5] < 0 and t.slot_of[6] < 0)
+        assert t.slot_of[0] >= 0  # resident before, untouched
+    finally:
+        with open(path, "r+b") as f:
+            f.write(data)
         server.close()
 
 

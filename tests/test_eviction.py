@@ -180,3 +180,13 @@ def test_keep_holds_a_pass_s_later_experts_while_others_can_go(policy):
     assert len(set(victims.tolist())) == 3
     p3.assign(missing, victims, 2)
     assert (p3.slot_of[[4, 5, 6]] >= 0).all() and (p3.slot_of[:4] >= 0).sum() == 1
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_keep_short_of_room_keeps_the_soonest_needed(policy):
+    # slots hold 0-3; a call misses 8, 9 and 10, which leaves room to keep one slot: keep names
+    # 3 then 0 (3 needed first), so 3 stays, though 0 may sit in a lower slot
+    p, _ = _run(POLICIES[policy], [[0], [1], [2], [3]], n_slots=4, num_experts=16)
+    missing, victims = p.admit(np.array([8, 9, 10]), 5, keep=np.array([3, 0]))
+    p.assign(missing, victims, 5)
+    assert p.slot_of[3] >= 0 and p.slot_of[0] < 0

@@ -77,15 +77,19 @@ class EvictionPolicy:
         return missing, victims
 
     def _keepable(self, keep: np.ndarray, hits: int, n_missing: int) -> np.ndarray:
-        """The slots of ``keep``'s resident experts, as many as leave ``n_missing`` slots free
-        to take besides the call's ``hits``."""
+        """The slots of ``keep``'s resident experts (``keep``: soonest needed first), the first
+        of them, as many as leave ``n_missing`` slots free to take besides the call's
+        ``hits``."""
         slots = self.slot_of[keep]
-        slots = np.unique(slots[slots >= 0])
+        slots = slots[slots >= 0]
+        _, first = np.unique(slots, return_index=True)
         room = self.expert_in.size - hits - n_missing
-        return slots[: max(room, 0)]
+        return slots[np.sort(first)][: max(room, 0)]
 
     def hold(self, slots: np.ndarray, tick: int) -> None:
-        """Keep ``slots`` from being victims of the call at ``tick``, without counting a use."""
+        """Keep ``slots`` from being victims of the call at ``tick``: they look used then (by
+        recency; S3-FIFO moves such a slot from its small queue to its main one), but no use is
+        counted."""
         raise NotImplementedError
 
     def assign(self, missing: np.ndarray, victims: np.ndarray, tick: int) -> None:

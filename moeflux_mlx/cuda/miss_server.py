@@ -33,7 +33,7 @@ import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -97,9 +97,22 @@ class Hint:
         """The last of the layer's GPU calls the hint covers: a call per ``n_request`` words."""
         return self.tick + max(1, -(-self.words.size // max(n_request, 1)))
 
-    def experts(self, num_experts: int) -> np.ndarray:
-        w = self.words
-        return np.unique(w[(w >= 0) & (w < num_experts)])
+    def _rows(self, n_request: int) -> Optional[np.ndarray]:
+        """The words as one row per call, or None if they do not split so."""
+        if n_request <= 0 or self.words.size % n_request:
+            return None
+        return self.words.reshape(-1, n_request)
+
+    def upcoming(self, call: int, n_request: int, num_experts: int) -> np.ndarray:
+        """The experts of the calls after ``call`` that the hint names, each once, in the order
+        they will be needed."""
+        rows = self._rows(n_request)
+        if rows is None:
+            return np.zeros(0, np.int64)
+        w = rows[call - self.tick :].reshape(-1)  # row call - tick - 1 is this call's
+        w = w[(w >= 0) & (w < num_experts)]
+        _, first = np.unique(w, return_index=True)
+        return w[np.sort(first)]
 
     def admit_with(
         self,
@@ -113,9 +126,9 @@ class Hint:
         """``experts`` (call ``call``'s) and those of the calls after it that the hint names, a
         call's at a time while the union fits the slots and its absent experts the staging: the
         pass's later tokens then find them resident instead of waiting for the server again."""
-        if n_request <= 0 or self.words.size % n_request:
+        rows = self._rows(n_request)
+        if rows is None:
             return experts
-        rows = self.words.reshape(-1, n_request)
         union = experts
         for row in rows[call - self.tick :]:  # row call - tick - 1 is this call's
             row = row[(row >= 0) & (row < slot_of.size)]
@@ -262,15 +275,18 @@ class Server:
         if call > last:
             self._drop_hint(i)  # a stale hint's reads are not this call's
             hint = None
-        keep = None
+        own, keep = experts, None
         if hint is not None and call < last:  # a pass's token, more to come
             blob = self.store.layout(layer).blob_size
             rows = self.staging[blob].shape[0] if blob in self.staging else n_request
-            experts = hint.admit_with(experts, call, n_request, t.slot_of, t.n_slots, rows)
-            # the rest of the pass's resident experts stay through the misses
-            keep = np.setdiff1d(hint.experts(t.num_experts), experts)
+            experts = hint.admit_with(own, call, n_request, t.slot_of, t.n_slots, rows)
+            # the later tokens' other resident experts stay through the misses, the soonest
+            # needed first
+            keep = hint.upcoming(call, n_request, t.num_experts)
+            keep = keep[~np.isin(keep, experts)]
         missing, victims = policy.admit(experts, tick, keep)
         n = missing.size
+        early = missing[:0]  # later tokens' experts whose read failed: freed at once
         t.header[H_ERR] = 0
         try:
             layout = self.store.layout(layer)
@@ -298,11 +314,19 @@ class Server:
                 if str(e).startswith(("layer", "/"))
                 else f"layer {layer}: reading experts {missing.tolist()} failed: {e}"
             )
-            c.globals[G_PENDING_RELEASE] += 1
             c.globals[G_ERRORS] += 1
-            self.releases.append((i, int(c.ticks[i]) + 1, missing.copy()))
+            # the call's own experts are released once the GPU is past it (it reads their
+            # poisoned slots); those admitted for a pass's later tokens at once, so that those
+            # tokens ask again instead of finding poisoned slots (nothing reads them before)
+            mine = np.isin(missing, own)
+            early = missing[~mine]
+            if mine.any():
+                c.globals[G_PENDING_RELEASE] += 1
+                self.releases.append((i, int(c.ticks[i]) + 1, missing[mine]))
         finally:
             policy.assign(missing, victims, tick)
+            if early.size:
+                policy.release(early)
             t.copy_src[:n] = np.arange(n)
             t.copy_dst[:n] = victims
             t.header[H_NCOPY] = n

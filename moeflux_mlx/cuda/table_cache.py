@@ -181,7 +181,12 @@ class TableCache(BudgetCache):
     def waves(self, layer: int, indices: mx.array) -> Optional[List[mx.array]]:
         """A speculative pass's call on a table layer (2 or more tokens, all their selections
         within a hint) as one table call per token, the first announcing every token's experts
-        (``table_kernels.hint``); None for any other call."""
+        (``table_kernels.hint``); None for any other call.
+
+        The hint has no ``after`` edge: of forward passes built and evaluated together, a later
+        one's hint may run before an earlier one's calls of the layer end, and then covers the
+        wrong calls. That costs reads ahead, never exactness: each call resolves its own
+        experts. (Decoding evaluates each pass before it builds the next.)"""
         if self._table(layer) is None:
             return None
         k = indices.shape[-1]
