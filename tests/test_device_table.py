@@ -5,6 +5,7 @@ of what they do stands in for them, operating on the same control block, while e
 runs as shipped: the miss server process, the cache's table bookkeeping, errors, and the synced
 path sharing the table during prefill."""
 
+import contextlib
 import ctypes
 import os
 import time
@@ -104,6 +105,27 @@ def _greedy(model, prompt, n=24):
     return [int(t) for (t, _), _ in zip(generate_step(prompt, model, max_tokens=n), range(n))]
 
 
+def _load_streamed(packed, total, fraction=0.3):
+    """The model streaming from ``packed`` at ``fraction`` of its experts' bytes, pread, on the
+    ops path (bit-exact with stock)."""
+    return moeflux_mlx.load(
+        packed, cache_budget=int(fraction * total), expert_io="pread", backend="ops"
+    )
+
+
+@contextlib.contextmanager
+def _emptied(path):
+    """``path`` truncated to nothing within the block (reads of it fail), restored after."""
+    data = path.read_bytes()
+    with open(path, "r+b") as f:
+        f.truncate(0)
+    try:
+        yield
+    finally:
+        with open(path, "r+b") as f:
+            f.write(data)
+
+
 def _pool_holds_the_right_experts(rt):
     """Every slot the table names holds exactly that expert's bytes from disk, one per slot."""
     rt.cache.synchronize()  # fills run after the server's answers, on mlx-lm's own stream
@@ -129,9 +151,7 @@ def _pool_holds_the_right_experts(rt):
 @pytest.mark.parametrize("fraction", [0.3, 0.6])
 def test_decode_through_the_table_is_exact(table_on_cpu, reference, fraction):
     packed, prompt, want, total = reference
-    model, _ = moeflux_mlx.load(
-        packed, cache_budget=int(fraction * total), expert_io="pread", backend="ops"
-    )  # the ops path is bit-exact with stock
+    model, _ = _load_streamed(packed, total, fraction)
     with model.moeflux as rt:
         assert rt.cache.name == "table" and rt.stats_dict()["device_table"]
         assert _greedy(model, prompt) == want
@@ -153,9 +173,7 @@ def test_speculative_passes_go_through_the_table_a_token_at_a_time(table_on_cpu,
     union outgrows: served by the table a token at a time, with no host sync, the union announced
     to the miss server by the first token; tokens and log-probs as plain decoding's."""
     packed, _, _, total = reference
-    model, tokenizer = moeflux_mlx.load(
-        packed, cache_budget=int(0.3 * total), expert_io="pread", backend="ops"
-    )
+    model, tokenizer = _load_streamed(packed, total)
     prompt = mx.array(tokenizer.encode("the quick brown fox jumps over the lazy dog " * 3))
     with model.moeflux as rt:
         want = [
@@ -268,9 +286,7 @@ def test_lazy_calls_mixing_table_and_synced_paths_stay_exact(
         )
     packed, _, _, total = reference
     ref = mlx_lm.load(str(tiny_checkpoints["qwen3_moe"][0]))[0]
-    model, _ = moeflux_mlx.load(
-        packed, cache_budget=int(0.3 * total), expert_io="pread", backend="ops"
-    )
+    model, _ = _load_streamed(packed, total)
     xs = [
         mx.array([[5]]),
         mx.array([[250, 7, 7, 120, 64, 33, 2, 91, 18, 250, 5]]),
@@ -297,22 +313,14 @@ def test_failed_read_raises_at_the_next_call_then_recovers(table_on_cpu, referen
     it was filling, raises an error naming the file at the next call, and frees those slots;
     once the file is back, generation is exact again."""
     packed, prompt, want, total = reference
-    model, _ = moeflux_mlx.load(
-        packed, cache_budget=int(0.3 * total), expert_io="pread", backend="ops"
-    )
+    model, _ = _load_streamed(packed, total)
     layer0 = min(expert_layout(packed).layers)
     path = packed / "packed_experts" / f"layer_{layer0:02d}.bin"
-    data = path.read_bytes()
     with model.moeflux as rt:
         # a one-token prompt: no synced prefill, the very first call goes through the table
-        with open(path, "r+b") as f:
-            f.truncate(0)
-        try:
+        with _emptied(path):
             with pytest.raises(ExpertReadError, match=f"layer_{layer0:02d}.bin.*layer {layer0}"):
                 _greedy(model, prompt[:1], n=4)
-        finally:
-            with open(path, "r+b") as f:
-                f.write(data)
         assert not rt.cache.control.globals[cb.G_PENDING_RELEASE]
         _pool_holds_the_right_experts(rt)  # the poisoned slots were freed
         rt.cache.check()  # the error was reported once
@@ -324,30 +332,20 @@ def test_failed_read_in_a_speculative_pass_yields_none_of_its_tokens(table_on_cp
     """Prompt lookup through the table: a pass whose reads failed (poisoned slots) raises the
     error naming the file before yielding any token it computed."""
     packed, prompt, _, total = reference
-    model, _ = moeflux_mlx.load(
-        packed, cache_budget=int(0.3 * total), expert_io="pread", backend="ops"
-    )
+    model, _ = _load_streamed(packed, total)
     layer0 = min(expert_layout(packed).layers)
-    path = packed / "packed_experts" / f"layer_{layer0:02d}.bin"
-    data = path.read_bytes()
     got = []
     ids = prompt.tolist()
     drafts = NgramIndex(1, 3)
     drafts.extend(ids + ids[:1])
     assert drafts.draft(3)  # the last token seen before, with what followed: the pass drafts
-    with model.moeflux:
-        with open(path, "r+b") as f:
-            f.truncate(0)
-        try:
-            with pytest.raises(ExpertReadError, match=f"layer_{layer0:02d}.bin"):
-                steps = lookup_generate_step(
-                    mx.array(ids[:1]), model, context=ids, max_tokens=4, num_draft_tokens=3
-                )
-                for step in steps:
-                    got.append(step)
-        finally:
-            with open(path, "r+b") as f:
-                f.write(data)
+    with model.moeflux, _emptied(packed / "packed_experts" / f"layer_{layer0:02d}.bin"):
+        with pytest.raises(ExpertReadError, match=f"layer_{layer0:02d}.bin"):
+            steps = lookup_generate_step(
+                mx.array(ids[:1]), model, context=ids, max_tokens=4, num_draft_tokens=3
+            )
+            for step in steps:
+                got.append(step)
     assert got == []
 
 
@@ -567,19 +565,17 @@ def test_a_failed_read_frees_the_later_tokens_experts_at_once(tiny_store, tiny_c
     server = _server(store, layout, n_slots=4)
     c, layer, t, _ = _first_layer(server, layout, rows=4)
     path = tiny_checkpoints["qwen3_moe"][1] / "packed_experts" / f"layer_{layer:02d}.bin"
-    data = path.read_bytes()
     try:
         assert _gpu_call(c, layer, [0, 1]) and _gpu_call(c, layer, [2, 3])
-        with open(path, "r+b") as f:
-            f.truncate(0)
-        reference_hint(
-            c, None, layer, mx.array(np.array([5, 6], np.uint32)), mx.array([5, 6, 0, 9]), 5.0
-        )
-        t.request[:2] = [5, 6]
-        t.header[cb.H_NREQ] = 2
-        seq = int(c.answers[t.index]) + 1
-        c.requests[t.index] = seq
-        _wait_answer(c, t.index, seq)
+        with _emptied(path):
+            reference_hint(
+                c, None, layer, mx.array(np.array([5, 6], np.uint32)), mx.array([5, 6, 0, 9]), 5.0
+            )
+            t.request[:2] = [5, 6]
+            t.header[cb.H_NREQ] = 2
+            seq = int(c.answers[t.index]) + 1
+            c.requests[t.index] = seq
+            _wait_answer(c, t.index, seq)
         assert t.header[cb.H_ERR] and int(t.header[cb.H_NCOPY]) == 3  # 5, 6 and 9 poisoned
         assert t.slot_of[9] < 0  # the next token's: freed at once
         assert t.slot_of[5] >= 0 and t.slot_of[6] >= 0  # this call's: it still reads them
@@ -587,8 +583,6 @@ def test_a_failed_read_frees_the_later_tokens_experts_at_once(tiny_store, tiny_c
         _until(lambda: t.slot_of[5] < 0 and t.slot_of[6] < 0)
         assert t.slot_of[0] >= 0  # resident before, untouched
     finally:
-        with open(path, "r+b") as f:
-            f.write(data)
         server.close()
 
 
