@@ -4,8 +4,9 @@ One question per call: ``lookup(layer, x, indices, stats)`` -> ``(slots, pool)``
 the routed experts, resident by the time the returned (lazy) arrays are evaluated, and the pool
 they live in. Whether a host sync, the device-side table or full residency answers it is the
 cache's business. Then ``computed(out)`` tells the cache which computation reads those slots, so
-that no later write overtakes it. Before them, ``waves(layer, indices)`` may split a call into
-a lookup and a computation per token (the device-side table serves a speculative pass so).
+that no later write overtakes it. Before them, for a call verifying draft tokens
+(``StreamingRuntime.verifying_drafts``), ``waves(layer, indices)`` may split it into a lookup and
+a computation per token (the device-side table serves such a pass so).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Decode calls (one token) on partially cached layers look their slots up on the GPU
 (``table_kernels.resolve``), and only the GPU waits, only on misses, for the miss server process,
 which owns those layers' eviction policy (``miss_client``, ``miss_server``). A short multi-token
-call (a speculative pass verifying a few draft tokens) is served the same way a token at a time
-(``waves``): its first token announces every token's experts, so the server reads the pass's
+call verifying draft tokens (``StreamingRuntime.verifying_drafts``) is served the same way a token
+at a time (``waves``): its first token announces every token's experts, so the server reads the pass's
 union at once and keeps its resident experts until the last token, and no host sync is needed
 however many experts the pass routes to. Synced calls (prefill) ask the server to admit experts
 into the same table and write the bytes themselves, in place. Fully cached layers stay as in

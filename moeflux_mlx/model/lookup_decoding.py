@@ -19,6 +19,7 @@ Works with any mlx-lm model whose prompt cache can be trimmed (streamed or stock
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass
@@ -210,9 +211,12 @@ def lookup_generate_step(
     known = NgramIndex(ngram_min, ngram_max)  # context + prompt + every token yielded
     known.extend(earlier + prompt_ids)
 
+    runtime = getattr(model, "moeflux", None)  # a streamed model's
+
     def verify(inputs: List[int]) -> Tuple[List[int], mx.array]:
         """One forward pass over ``inputs``: the model's token and log-probs after each."""
-        logits = model(mx.array(inputs, mx.uint32)[None], cache=prompt_cache)[0]
+        with runtime.verifying_drafts() if runtime is not None else contextlib.nullcontext():
+            logits = model(mx.array(inputs, mx.uint32)[None], cache=prompt_cache)[0]
         quantize_cache_fn(prompt_cache)
         if logits_processors:
             # each position sees the tokens before it from the prompt on (not the context),
@@ -229,7 +233,6 @@ def lookup_generate_step(
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         tokens = sampler(logprobs)
         mx.eval(tokens, logprobs)
-        runtime = getattr(model, "moeflux", None)
         if runtime is not None:  # streamed: a read that failed in this pass raises before any
             runtime.cache.check()  # of its tokens is yielded (not at the next pass)
         return _ids(tokens), logprobs

@@ -4,8 +4,9 @@ device-side table exists)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Optional
+from typing import Iterator, Optional
 
 from ..cache import wired
 from ..cache.budget import BudgetCache, slots_per_layer
@@ -125,6 +126,19 @@ class StreamingRuntime:
         # decode is host-bound, and the per-layer check cost more than the lookup)
         self.first_layer = min(layout.layers) if layout.layers else None
         self.closed = False
+        self.verifying = False  # see verifying_drafts
+
+    @contextlib.contextmanager
+    def verifying_drafts(self) -> Iterator[None]:
+        """Forward passes built within it verify draft tokens (speculation), so the cache may
+        split them into a lookup per token (``ExpertCache.waves``: the device-side table, with
+        no host sync), computing each token's experts as plain decoding does. Elsewhere a
+        multi-token call is computed whole, as stock mlx-lm computes it."""
+        before, self.verifying = self.verifying, True
+        try:
+            yield
+        finally:
+            self.verifying = before
 
     @property
     def stats(self) -> Stats:
