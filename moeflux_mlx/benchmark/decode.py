@@ -78,23 +78,41 @@ def load_for_benchmark(path, device_table=None, **options):
     )
 
 
-def _time_generation(model, prompt: mx.array, decode_tokens: int, on_first=None):
-    """Greedy decode; returns (prompt_tps, decode_tps, tokens, decode seconds). ``on_first`` runs
-    after the first token (end of prefill), before decode timing starts."""
+def timed_greedy(model, prompt: mx.array, decode_tokens: int, on_first=None):
+    """Greedy decode of ``decode_tokens`` tokens after the first, timed.
+
+    Args:
+        model: an mlx-lm model.
+        prompt: the prompt's token ids.
+        decode_tokens: tokens decoded after the first (the end of prefill).
+        on_first: called after the first token, before decode timing starts.
+
+    Returns:
+        ``(tokens, log-probs, prefill seconds, decode seconds)``: every token, the first
+        included, and each step's log-probs, left on the device (copied out by the caller
+        after the timed loop, if at all).
+    """
     mx.synchronize()
     t0 = time.perf_counter()
     gen = generate_step(prompt, model, max_tokens=decode_tokens + 1)
-    tok, _ = next(gen)
-    tokens = [int(tok)]
+    tok, lp = next(gen)
+    tokens, logprobs = [int(tok)], [lp]
     t1 = time.perf_counter()
     if on_first:
         on_first()
     t2 = time.perf_counter()
-    for tok, _ in gen:
+    for tok, lp in gen:
         tokens.append(int(tok))
+        logprobs.append(lp)
     mx.synchronize()
-    decode_s = time.perf_counter() - t2
-    return prompt.size / (t1 - t0), (len(tokens) - 1) / decode_s, tokens, decode_s
+    return tokens, logprobs, t1 - t0, time.perf_counter() - t2
+
+
+def _time_generation(model, prompt: mx.array, decode_tokens: int, on_first=None):
+    """Greedy decode; returns (prompt_tps, decode_tps, tokens, decode seconds) (see
+    ``timed_greedy``)."""
+    tokens, _, prefill_s, decode_s = timed_greedy(model, prompt, decode_tokens, on_first)
+    return prompt.size / prefill_s, (len(tokens) - 1) / decode_s, tokens, decode_s
 
 
 def _as_is(model) -> None:

@@ -36,10 +36,10 @@ from typing import Dict, List, Optional, Sequence
 import mlx.core as mx
 import mlx_lm
 import numpy as np
-from mlx_lm.generate import generate_step
 
 from ..model.load import load
 from ..model.sharded import sharded_load
+from .decode import timed_greedy
 from .pagecache import PageCacheDropper, expert_files
 from .trace_routing import drive_routing, load_trace
 
@@ -138,28 +138,15 @@ def _decode(model, prompt, tokens: int, on_first=None) -> dict:
     """Greedy decode of ``tokens`` tokens after ``prompt``: tokens, per-step log-prob digests and
     the chosen token's log-prob, seconds of prefill and of decode (timed from the first token;
     ``on_first`` runs before that)."""
-    mx.synchronize()
-    t0 = time.perf_counter()
-    steps = generate_step(prompt, model, max_tokens=tokens + 1)
-    tok, lp = next(steps)
-    out, lps = [int(tok)], [lp]
-    t1 = time.perf_counter()
-    if on_first:
-        on_first()
-    t2 = time.perf_counter()
-    for tok, lp in steps:
-        out.append(int(tok))
-        lps.append(lp)  # kept on the device; copied out after the timed loop
-    mx.synchronize()
-    t3 = time.perf_counter()
+    out, lps, prefill_s, decode_s = timed_greedy(model, prompt, tokens, on_first)
     rows = [np.array(lp.astype(mx.float32)).reshape(-1) for lp in lps]
     return {
         "tokens": out,
         "logprob_sha1": [hashlib.sha1(r.tobytes()).hexdigest()[:16] for r in rows],
         "logprob": [float(r[t]) for r, t in zip(rows, out)],
-        "prefill_s": t1 - t0,
-        "decode_s": t3 - t2,
-        "decode_tps": (len(out) - 1) / (t3 - t2),
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "decode_tps": (len(out) - 1) / decode_s,
     }
 
 
