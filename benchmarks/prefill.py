@@ -12,7 +12,9 @@ pass and its evaluation, as ``mlx_lm.generate_step`` does it), the ratio to stoc
 read, the pure read time of those very reads (replayed through the store alone, same I/O mode
 and page-cache state, right after the prefill), and the overhead beyond the reads: moeflux -
 stock - read time. ``--prefill-whole-layer 4,0`` runs the option's values side by side (0: one
-host sync per layer and call, the path before whole-layer reads). Writes
+host sync per layer and call, the path before whole-layer reads); ``--read-ahead on,off`` and
+``--threads 8,16`` run whole-layer reads with and without the next layer read in the background,
+and with that many read threads. Writes
 ``DATE-MACHINE-prefill.{md,json}`` to ``--out`` (never overwriting).
 """
 
@@ -95,6 +97,23 @@ class ReadLog:
         return time.perf_counter() - t0
 
 
+def _variants(args):
+    """(prefill_whole_layer, read ahead, threads) of each moeflux configuration: read-ahead
+    variants only where layers are read whole."""
+    for whole in args.prefill_whole_layer:
+        for ahead in args.read_ahead if whole else args.read_ahead[:1]:
+            for threads in args.threads:
+                yield whole, ahead, threads
+
+
+def _switches(text: str):
+    return [{"on": True, "off": False}[v.strip().lower()] for v in text.split(",")]
+
+
+def _ints(text: str):
+    return [int(v) for v in text.split(",")]
+
+
 def run(args) -> dict:
     path, stock_path = build_model(args)
     total = expert_layout(path).total_expert_bytes
@@ -106,14 +125,23 @@ def run(args) -> dict:
     logs = {}
     for io in args.io:
         for frac in args.budgets:
-            for whole in args.prefill_whole_layer:
+            for whole, ahead, threads in _variants(args):
                 budget = "all" if frac >= 1 else int(frac * total)
-                # the caches read the option when they are made (LoadOptions.prefill_whole_layer)
+                # the caches read these options when they are made (LoadOptions)
                 os.environ["MOEFLUX_PREFILL_WHOLE_LAYER"] = f"{whole:g}"
+                os.environ["MOEFLUX_PREFILL_READ_AHEAD"] = "on" if ahead else "off"
                 m, _ = moeflux_mlx.load(
-                    path, expert_io=io, cache_budget=budget, backend=args.bench_backend
+                    path,
+                    expert_io=io,
+                    cache_budget=budget,
+                    backend=args.bench_backend,
+                    threads=threads,
                 )
                 name = f"moeflux {m.moeflux.store.io_mode} {frac:.0%} whole={whole:g}"
+                if whole and len(args.read_ahead) > 1:
+                    name += " ahead" if ahead else " no ahead"
+                if len(args.threads) > 1:
+                    name += f" {threads} threads"
                 models[name] = m
                 logs[name] = ReadLog(m.moeflux.store)
     if trace is not None:
@@ -177,6 +205,7 @@ def run(args) -> dict:
         "mlx": mx.__version__,
         "device": str(mx.default_device()),
         "prompt_tokens": args.prompt_tokens,
+        "cpu_count": os.cpu_count(),
         "cold": args.cold,
         "repeats": args.repeats,
         "routing_trace": str(args.routing_trace) if args.routing_trace else None,
@@ -245,6 +274,13 @@ def main(argv=None) -> int:
         default=[4.0, 0.0],
         help="values of the load option to run side by side (default 4,0; 0: synced path)",
     )
+    p.add_argument(
+        "--read-ahead",
+        type=_switches,
+        default=[True],
+        help="on,off: whole-layer reads with and without the next layer read ahead (default on)",
+    )
+    p.add_argument("--threads", type=_ints, default=[8], help="read threads, e.g. 8,16 (default 8)")
     p.add_argument("--bench-backend", default=None, help="expert backend (default: auto)")
     p.add_argument("--cold", action="store_true", help="drop the page cache before each run")
     p.add_argument("--repeats", type=int, default=3)

@@ -17,6 +17,8 @@ Plain Python: the miss server process imports it without MLX.
     MOEFLUX_SERVER_POLL_MAX_US   server_poll_max_us  ... growing to this while no request comes
     MOEFLUX_PREFILL_WHOLE_LAYER  prefill_whole_layer  rows per expert from which a prefill reads its
                                                       whole layer without a host sync (0: never)
+    MOEFLUX_PREFILL_READ_AHEAD   prefill_read_ahead   0/off | 1/on (default): such a prefill reads
+                                                      the next layer while this one computes
 
 Cache budgets (``parse_budget``): ``"all"``, ``0``, a fraction of RAM in (0, 1] (``0.25``), or a
 size with a unit: ``B``, SI ``kB`` ``MB`` ``GB`` ``TB`` (powers of 1000) or binary ``KiB`` ``MiB``
@@ -96,6 +98,7 @@ ENVIRONMENT: Dict[str, Tuple[str, Callable[[str], Any]]] = {
     "server_poll_us": ("MOEFLUX_SERVER_POLL_US", _number(0, strict_minimum=False)),
     "server_poll_max_us": ("MOEFLUX_SERVER_POLL_MAX_US", _number(0, strict_minimum=False)),
     "prefill_whole_layer": ("MOEFLUX_PREFILL_WHOLE_LAYER", _number(0, strict_minimum=False)),
+    "prefill_read_ahead": ("MOEFLUX_PREFILL_READ_AHEAD", _switch),
 }
 # a call routing at least this many (token, expert) rows per expert of its layer names nearly
 # every expert (1 - e^-4 = 98% at uniform routing): reading the whole layer costs few extra bytes
@@ -157,6 +160,10 @@ class LoadOptions:
             host sync, so the model's graph stays lazy as stock mlx-lm's (the last layer's
             unused outputs are never computed) and each layer's reads overlap the previous
             layer's computation; 0: never (one host sync per call, only the routed experts).
+        prefill_read_ahead: such a prefill starts reading the next layer as soon as a layer's
+            read is taken, in the background, so the reads run back to back while the device
+            computes (a layer is read ahead only while it takes at most a quarter of the
+            memory available).
         table_every_layer: benchmarks only: fully cached layers are looked up through the
             device-side table too, to measure what the lookup itself costs.
     """
@@ -173,6 +180,7 @@ class LoadOptions:
     server_poll_us: float = 20.0
     server_poll_max_us: float = 1000.0
     prefill_whole_layer: float = DEFAULT_PREFILL_WHOLE_LAYER
+    prefill_read_ahead: bool = True
     table_every_layer: bool = False
 
     @classmethod

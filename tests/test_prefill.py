@@ -174,3 +174,93 @@ def test_a_call_beyond_the_slots_reads_only_what_they_lack(tiny, monkeypatch, wr
             copied += s.experts_routed - s.experts_read
             assert s.experts_routed - s.experts_read <= len(held[i])
         assert copied > 0
+
+
+def _reads_by_thread(monkeypatch, store):
+    """(layer, thread name) of every whole-layer read of ``store``, in order."""
+    import threading
+
+    seen = []
+    real = store.read
+
+    def read(layer, experts, out=None):
+        if len(experts) == store.layout(layer).num_experts:
+            seen.append((layer, threading.current_thread().name))
+        return real(layer, experts, out)
+
+    monkeypatch.setattr(store, "read", read)
+    return seen
+
+
+@pytest.mark.parametrize("writes", ["host", "device"])
+@pytest.mark.parametrize("ahead", [True, False])
+def test_next_layer_is_read_ahead(tiny, monkeypatch, writes, ahead):
+    """With read-ahead on, the first layer is read by the caller and every later one in the
+    background while the one before computes; off, all by the caller. Bit-identical either way."""
+    packed, prompt, want_logits, want_tokens = tiny
+    monkeypatch.setenv("MOEFLUX_SLOT_WRITES", writes)
+    monkeypatch.setenv("MOEFLUX_PREFILL_READ_AHEAD", "on" if ahead else "off")
+    model = _load(monkeypatch, packed, ROWS, expert_io="pread")
+    with model.moeflux as rt:
+        seen = _reads_by_thread(monkeypatch, rt.store)
+        assert mx.array_equal(_prefill_logits(model, prompt), want_logits).item()
+        layers = sorted(rt.layout.layers)
+        assert [layer for layer, _ in seen] == layers  # each layer read once, in order
+        background = [layer for layer, name in seen if name.startswith("moeflux-layer-ahead")]
+        assert background == (layers[1:] if ahead else [])
+        assert rt.stats.total().experts_read == sum(
+            ly.num_experts for ly in rt.layout.layers.values()
+        )
+        assert _greedy(model, prompt) == want_tokens
+
+
+def test_read_ahead_option(monkeypatch):
+    assert LoadOptions.resolve().prefill_read_ahead is True
+    monkeypatch.setenv("MOEFLUX_PREFILL_READ_AHEAD", "off")
+    assert LoadOptions.resolve().prefill_read_ahead is False
+    monkeypatch.setenv("MOEFLUX_PREFILL_READ_AHEAD", "sometimes")
+    with pytest.raises(ValueError, match="MOEFLUX_PREFILL_READ_AHEAD"):
+        LoadOptions.resolve()
+
+
+@pytest.mark.parametrize("writes", ["host", "device"])
+def test_failed_read_ahead_is_read_again(tiny, monkeypatch, writes):
+    """A read ahead that fails once (a passing fault) is read again by the call that needs the
+    layer: the prefill is exact and nothing is half-taken."""
+    import threading
+
+    packed, prompt, want_logits, want_tokens = tiny
+    monkeypatch.setenv("MOEFLUX_SLOT_WRITES", writes)
+    model = _load(monkeypatch, packed, ROWS, expert_io="pread")
+    real = os.preadv
+    failed = []
+
+    def flaky(fd, buffers, offset, *args):
+        ahead = any(t.name.startswith("moeflux-layer-ahead") for t in threading.enumerate())
+        if ahead and not failed and threading.current_thread().name.startswith("moeflux-read"):
+            failed.append(offset)
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, buffers, offset, *args)
+
+    with model.moeflux as rt:
+        monkeypatch.setattr(os, "preadv", flaky)
+        seen = _reads_by_thread(monkeypatch, rt.store)
+        assert mx.array_equal(_prefill_logits(model, prompt), want_logits).item()
+        monkeypatch.setattr(os, "preadv", real)
+        assert failed  # the fault was hit, by a read ahead
+        layers = [layer for layer, _ in seen]
+        assert len(layers) == len(set(layers)) + 1  # one layer read twice: ahead, then again
+        assert _greedy(model, prompt) == want_tokens
+
+
+def test_no_read_ahead_beyond_the_memory_share(tiny, monkeypatch):
+    """A layer larger than the share of available memory is not read ahead."""
+    from moeflux_mlx.cache import whole_layer
+
+    packed, prompt, want_logits, _ = tiny
+    monkeypatch.setattr(whole_layer, "READ_AHEAD_RAM_SHARE", 1e-12)
+    model = _load(monkeypatch, packed, ROWS, expert_io="pread")
+    with model.moeflux as rt:
+        seen = _reads_by_thread(monkeypatch, rt.store)
+        assert mx.array_equal(_prefill_logits(model, prompt), want_logits).item()
+        assert [name for _, name in seen if name.startswith("moeflux-layer-ahead")] == []

@@ -48,7 +48,7 @@ class BudgetCache(HostSyncCache):
     """Slot pools under a byte budget, split over layers by their size; eviction by ``policy``.
 
     ``staging``: device slot writes (CUDA), else host writes. ``prefetcher``,
-    ``prefill_whole_layer``: see ``HostSyncCache``."""
+    ``prefill_whole_layer``, ``prefill_read_ahead``: see ``HostSyncCache``."""
 
     name = "decay"  # the eviction policy's name (set per instance)
 
@@ -61,8 +61,9 @@ class BudgetCache(HostSyncCache):
         prefetcher: Optional[Prefetcher] = None,
         policy: Type[EvictionPolicy] = LRUPolicy,
         prefill_whole_layer: Optional[float] = None,
+        prefill_read_ahead: bool = True,
     ):
-        super().__init__(store, prefetcher, prefill_whole_layer, staging)
+        super().__init__(store, prefetcher, prefill_whole_layer, staging, prefill_read_ahead)
         self.budget_bytes = budget_bytes
         self.n_slots = slots_per_layer(layout, budget_bytes)
         self.policy_class = policy

@@ -155,50 +155,6 @@ class SlotPool:
         self._typed()
 
 
-_SIDE: Dict[str, mx.Stream] = {}
-
-
-def _side_stream() -> mx.Stream:
-    """A CPU stream of this cache's own: a pool allocated on it is ready without waiting for
-    the computation queued on the default stream."""
-    if "cpu" not in _SIDE:
-        _SIDE["cpu"] = mx.new_stream(mx.cpu)
-    return _SIDE["cpu"]
-
-
-def layer_pool(
-    layout: ExpertLayout, blobs: np.ndarray, staged: Optional[mx.array] = None
-) -> ExpertPool:
-    """Every expert of a layer, read in expert order (``blobs`` ``[n, blob_size]``), as a pool
-    of its own (slot == expert id) that nothing writes again.
-
-    Args:
-        layout: the layer's expert layout.
-        blobs: the bytes, in host memory.
-        staged: the same bytes in device-readable staging (CUDA's device writes): the device
-            copies each component out of it (lazy: evaluate before the staging is reused).
-            None: host writes, done here, on this thread, beside whatever the device computes.
-
-    Returns:
-        The pool's typed views.
-    """
-    n = blobs.shape[0]
-    raw = {}
-    if staged is not None:
-        for c in layout.components:
-            raw[c.name] = mx.contiguous(staged[:, c.offset : c.offset + c.nbytes])
-    else:
-        with mx.stream(_side_stream()):  # not queued behind the default stream's computation
-            raw = {c.name: mx.zeros((n, c.nbytes), mx.uint8) for c in layout.components}
-            mx.eval(list(raw.values()))
-        for c in layout.components:
-            host_view(raw[c.name])[:] = blobs[:, c.offset : c.offset + c.nbytes]
-    arrays = {
-        c.name: raw[c.name].view(MX_DTYPES[c.dtype]).reshape(n, *c.shape) for c in layout.components
-    }
-    return ExpertPool(arrays, layout.quantization, layout.overrides)
-
-
 def copy_slots(dst: SlotPool, slots: np.ndarray, src: SlotPool, src_slots: np.ndarray) -> None:
     """Copy ``src``'s ``src_slots`` into ``dst``'s ``slots`` (pools of one layout): through host
     views where both are host-written, else on the device (lazy: it reads ``src`` in stream

@@ -29,7 +29,8 @@ class StagingCache(HostSyncCache):
     One pool per layout serves every layer (a layer's reads finish before the next layer
     writes); a call needing more than ``STAGING_KEEP_BYTES`` of slots (prefill) gets a pool of
     its own that is not kept. ``staging``: device slot writes (CUDA), else host writes.
-    ``prefill_whole_layer``: see ``HostSyncCache`` (a prefill reads its whole layer unsynced)."""
+    ``prefill_whole_layer``, ``prefill_read_ahead``: see ``HostSyncCache`` (a prefill reads
+    its whole layers unsynced, the next one ahead)."""
 
     name = "staging"
 
@@ -39,8 +40,9 @@ class StagingCache(HostSyncCache):
         staging: Optional[DeviceStaging] = None,
         prefetcher: Optional[Prefetcher] = None,
         prefill_whole_layer: Optional[float] = None,
+        prefill_read_ahead: bool = True,
     ):
-        super().__init__(store, prefetcher, prefill_whole_layer, staging)
+        super().__init__(store, prefetcher, prefill_whole_layer, staging, prefill_read_ahead)
         self.pools: Dict[str, SlotPool] = {}  # by layout: layers of one shape share a pool
         self._keys: Dict[int, str] = {}
 

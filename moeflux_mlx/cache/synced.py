@@ -9,6 +9,7 @@ the same in-order stream: a pool never changes under a pending read.
 A call on a layer with fewer slots than experts that routes many rows per expert (a prefill at a
 small budget: ``prefill_whole_layer``) skips the host sync instead: it reads the whole layer
 into a pool of its own that nothing ever writes again, and its router indices are the slots.
+The next layer's read starts at once, in the background (``whole_layer``).
 The model's graph then stays lazy, as stock mlx-lm's: outputs nobody asks for (the last layer's,
 in a prefill chunk) are never computed, where a host sync per layer and ``mx.async_eval`` of every
 output forced them. Memory stays bounded: the next such call of the same forward pass starts the
@@ -29,8 +30,9 @@ from ..io.prefetch import Prefetcher
 from ..io.store import ExpertStore
 from ..options import DEFAULT_PREFILL_WHOLE_LAYER
 from ..stats import LayerStats, Stats
-from .pool import STAGING_KEEP_BYTES, DeviceStaging, ExpertPool, host_view, layer_pool, read_blobs
+from .pool import DeviceStaging, ExpertPool
 from .protocol import Predictor
+from .whole_layer import WholeLayerReads
 
 MAX_PREDICT_TOKENS = 4  # prediction pays off in decode; a prefill needs most experts anyway
 
@@ -43,8 +45,9 @@ class HostSyncCache:
     experts that are absent are read ahead in the background. ``prefill_whole_layer``: rows
     per expert from which a call on a layer with fewer slots than experts reads the whole layer
     without a host sync (``LoadOptions.prefill_whole_layer``, handed in by the runtime's cache
-    factory; None: the default; 0: never). ``staging``: device slot writes (CUDA), else host
-    writes."""
+    factory; None: the default; 0: never); ``prefill_read_ahead``: the next such layer's read
+    starts while this one computes (``LoadOptions.prefill_read_ahead``). ``staging``: device
+    slot writes (CUDA), else host writes."""
 
     name = "?"
 
@@ -54,6 +57,7 @@ class HostSyncCache:
         prefetcher: Optional[Prefetcher] = None,
         prefill_whole_layer: Optional[float] = None,
         staging: Optional[DeviceStaging] = None,
+        prefill_read_ahead: bool = True,
     ):
         self.store = store
         self.prefetcher = prefetcher
@@ -67,7 +71,8 @@ class HostSyncCache:
         self._whole: Optional[int] = None  # the layer of the last lookup, if it read it whole
         # (layer, output) of the last whole-layer call, not forced yet: see the module's text
         self._pending: Optional[Tuple[int, mx.array]] = None
-        self._whole_buf: Optional[mx.array] = None
+        self.whole_reads = WholeLayerReads(store, staging, prefill_read_ahead)
+        self._read_whole: Optional[List[int]] = None  # layers with fewer slots than experts
 
     # -- what subclasses provide --------------------------------------------------------------
 
@@ -88,17 +93,15 @@ class HostSyncCache:
         """How many of the layer's experts can be resident at once (0: none)."""
         return 0
 
-    def _whole_staging(self, n: int, blob_size: int) -> mx.array:
-        """Device-readable staging for a whole layer: a buffer only whole-layer calls use (each
-        evaluates its copies out of it before returning, so no pending read sees it change,
-        with no host sync), kept up to ``STAGING_KEEP_BYTES``."""
-        assert self.staging is not None
-        if n * blob_size > STAGING_KEEP_BYTES:
-            return self.staging.allocate((n, blob_size))
-        buf = self._whole_buf
-        if buf is None or buf.size < n * blob_size:
-            buf = self._whole_buf = self.staging.allocate((n * blob_size,))
-        return buf[: n * blob_size].reshape(n, blob_size)
+    def _next_whole(self, layer: int) -> Optional[int]:
+        """The layer after ``layer`` that a prefill's forward pass reads whole next."""
+        if self._read_whole is None:
+            self._read_whole = [
+                i
+                for i in sorted(self.store.layers)
+                if self.slot_count(i) < self.store.layout(i).num_experts
+            ]
+        return next((i for i in self._read_whole if i > layer), None)
 
     # -- the protocol ---------------------------------------------------------------------------
 
@@ -142,21 +145,17 @@ class HostSyncCache:
         prev, self._pending = self._pending, None
         if prev is not None:
             mx.async_eval(prev[1])  # the previous layer computes while this one is read
-        layout = self.store.layout(layer)
-        n = layout.num_experts
-        staged = None if self.staging is None else self._whole_staging(n, layout.blob_size)
-        out = None if staged is None else host_view(staged)
-        blobs = read_blobs(self.reader, layer, np.arange(n), stats, out)
+        pool = self.whole_reads.take(layer, stats)
+        nxt = self._next_whole(layer)
+        if nxt is not None:
+            self.whole_reads.ahead(nxt)
         t0 = time.perf_counter()
-        pool = layer_pool(layout, blobs, staged)
-        copies = [] if staged is None else list(pool.arrays.values())
-        t1 = time.perf_counter()
-        # the device's copies leave the staging free for reuse; the previous pool is freed once
-        # its computation ran: at most two such pools alive
-        mx.eval(([] if prev is None else [prev[1]]) + copies)
-        t2 = time.perf_counter()
-        stats.upload_s += t1 - t0
-        stats.sync_s += t2 - t1  # waiting for the device: the previous layer's computation
+        # the copies out of staging (CUDA) run beside the previous layer's computation and free
+        # the staging for reuse; the previous pool is freed once its computation ran: at most
+        # two such pools alive
+        mx.eval(([] if prev is None else [prev[1]]) + list(pool.arrays.values()))
+        stats.sync_s += time.perf_counter() - t0  # waiting for the device
+        n = self.store.layout(layer).num_experts
         self._synced = False
         self._whole = layer
         stats.calls += 1
@@ -213,6 +212,7 @@ class HostSyncCache:
         pass
 
     def close(self) -> None:
-        self._pending = self._whole_buf = None
+        self._pending = None
+        self.whole_reads.close()
         if self.prefetcher is not None:
             self.prefetcher.close()

@@ -78,6 +78,7 @@ class TableCache(BudgetCache):
             prefetcher,
             policy=POLICIES[options.eviction],
             prefill_whole_layer=options.prefill_whole_layer,
+            prefill_read_ahead=options.prefill_read_ahead,
         )
         self.name = "table"  # not the policy's name (BudgetCache's)
         self.wait_s = options.wait_timeout_s

@@ -81,7 +81,13 @@ def make_cache(
     try:
         whole = options.prefill_whole_layer
         if capacity == 0:
-            return StagingCache(store, staging, prefetcher, prefill_whole_layer=whole)
+            return StagingCache(
+                store,
+                staging,
+                prefetcher,
+                prefill_whole_layer=whole,
+                prefill_read_ahead=options.prefill_read_ahead,
+            )
         if table:
             cache = TableCache(store, layout, budget_bytes, options, staging, prefetcher)
         else:
@@ -93,6 +99,7 @@ def make_cache(
                 prefetcher,
                 policy=POLICIES[options.eviction],
                 prefill_whole_layer=whole,
+                prefill_read_ahead=options.prefill_read_ahead,
             )
     except BaseException:
         if prefetcher is not None:

@@ -1,0 +1,211 @@
+"""Whole-layer reads of a prefill at a small budget (``HostSyncCache.whole_lookup``), read ahead.
+
+A prefill reads each layer's every expert, one layer after another, in an order known in
+advance. ``WholeLayerReads`` starts the next layer's read as soon as a layer's read is taken, on
+a thread of its own, so the reads run back to back while the device computes, instead of each
+waiting for its layer's call.
+
+Who writes what, and when:
+- A buffer is written by one read at a time, on the read-ahead thread or the caller's. The
+  caller hands a buffer to a new read only after the read before it in that buffer ended
+  (``_settle``) and after the device copies out of it were evaluated (``whole_lookup`` evaluates
+  them before it returns): device staging (CUDA) alternates between two buffers, one being
+  copied out of while the next layer is read into the other.
+- Host-written pools (CPU, Metal) are filled by the read itself, into arrays the caller made for
+  that layer; nothing writes them again. Their read buffer is the read-ahead thread's own.
+- The read-ahead thread touches numpy memory and the store only, never MLX.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import numpy as np
+import psutil
+
+from ..format.layout import ExpertLayout
+from ..io.store import ExpertStore
+from ..stats import LayerStats
+from .pool import MX_DTYPES, STAGING_KEEP_BYTES, DeviceStaging, ExpertPool, host_view
+
+log = logging.getLogger(__name__)
+
+# a layer is read ahead only while it takes at most this share of the memory available: its
+# bytes are held beside the two layers' pools a prefill already keeps
+READ_AHEAD_RAM_SHARE = 0.25
+
+_STREAMS: Dict[str, mx.Stream] = {}
+
+
+def _stream(what: str) -> mx.Stream:
+    """A stream of this module's own: "alloc" on the CPU (pool allocations, ready without
+    waiting for the computation queued on the default stream), "copy" on the default device
+    (the copies out of device staging, which then run beside that computation)."""
+    if what not in _STREAMS:
+        _STREAMS[what] = mx.new_stream(mx.cpu if what == "alloc" else mx.default_device())
+    return _STREAMS[what]
+
+
+@dataclass
+class _Read:
+    """One layer's read: where its bytes go, and the read itself once started."""
+
+    layer: int
+    layout: ExpertLayout
+    blobs: np.ndarray  # [n, blob_size] host bytes
+    staged: Optional[mx.array]  # the same memory, device-readable (CUDA); None: host writes
+    raw: Optional[Dict[str, mx.array]]  # host writes: the pool's arrays, filled by the read
+    future: Optional[Future] = None  # a read ahead (None: read by the caller)
+
+
+class WholeLayerReads:
+    """Reads whole layers for ``HostSyncCache.whole_lookup``, the next one in the background.
+
+    Args:
+        store: the expert store (read directly: a prefetcher's predictions are per token).
+        staging: device-readable staging (CUDA's device writes); None: host writes.
+        read_ahead: start the next layer's read when a layer is taken (``ahead``).
+    """
+
+    def __init__(
+        self, store: ExpertStore, staging: Optional[DeviceStaging], read_ahead: bool = True
+    ):
+        self.store, self.staging = store, staging
+        self.read_ahead = read_ahead
+        self._thread: Optional[ThreadPoolExecutor] = None
+        self._ahead: Optional[_Read] = None
+        self._bufs: List[Optional[mx.array]] = [None, None]  # device staging, alternating
+        self._turn = 0
+        self._host_buf: Optional[np.ndarray] = None  # host writes: the read's own buffer
+
+    # -- buffers ---------------------------------------------------------------------------
+
+    def _staging_buffer(self, n: int, blob_size: int) -> mx.array:
+        """The next of the two staging buffers, ``[n, blob_size]`` (not kept beyond
+        ``STAGING_KEEP_BYTES``)."""
+        assert self.staging is not None
+        nbytes = n * blob_size
+        if nbytes > STAGING_KEEP_BYTES:
+            return self.staging.allocate((n, blob_size))
+        i, self._turn = self._turn, 1 - self._turn
+        buf = self._bufs[i]
+        if buf is None or buf.size < nbytes:
+            buf = self._bufs[i] = self.staging.allocate((nbytes,))
+        return buf[:nbytes].reshape(n, blob_size)
+
+    def _host_buffer(self, n: int, blob_size: int) -> np.ndarray:
+        nbytes = n * blob_size
+        if nbytes > STAGING_KEEP_BYTES:
+            return np.empty((n, blob_size), np.uint8)
+        if self._host_buf is None or self._host_buf.size < nbytes:
+            self._host_buf = np.empty(nbytes, np.uint8)
+        return self._host_buf[:nbytes].reshape(n, blob_size)
+
+    def _prepare(self, layer: int) -> _Read:
+        """Where ``layer``'s bytes will go (on the caller's thread: it may call MLX)."""
+        layout = self.store.layout(layer)
+        n, size = layout.num_experts, layout.blob_size
+        if self.staging is not None:
+            staged = self._staging_buffer(n, size)
+            return _Read(layer, layout, host_view(staged), staged, None)
+        with mx.stream(_stream("alloc")):  # not queued behind the default stream's computation
+            raw = {c.name: mx.zeros((n, c.nbytes), mx.uint8) for c in layout.components}
+            mx.eval(list(raw.values()))
+        return _Read(layer, layout, self._host_buffer(n, size), None, raw)
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def _fill(self, read: _Read) -> None:
+        """Read the layer's blobs and, for host writes, scatter them into the pool's arrays."""
+        self.store.read(read.layer, np.arange(read.layout.num_experts), read.blobs)
+        if read.raw is not None:
+            for c in read.layout.components:
+                host_view(read.raw[c.name])[:] = read.blobs[:, c.offset : c.offset + c.nbytes]
+
+    def _settle(self) -> Optional[_Read]:
+        """The read ahead, once ended (None: none, or it failed: the caller reads again, so a
+        lasting fault raises from the call that needs the layer)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead.future is None:
+            return ahead
+        try:
+            ahead.future.result()
+        except Exception as err:  # noqa: BLE001 - any failure: read again, on the caller's thread
+            log.debug("layer %d: read ahead failed (%s); reading it again", ahead.layer, err)
+            return None
+        return ahead
+
+    def take(self, layer: int, stats: LayerStats) -> ExpertPool:
+        """``layer``'s every expert as a pool of its own (slot == expert id): the read ahead if
+        it was this layer's, else read now. With device staging the pool's arrays are copies
+        queued on a stream of their own: evaluate them before the next ``take``.
+
+        Raises:
+            ExpertReadError: the layer's read failed.
+        """
+        t0 = time.perf_counter()
+        read = self._settle()
+        if read is None or read.layer != layer:
+            read = self._prepare(layer)
+            self._fill(read)
+        t1 = time.perf_counter()
+        stats.io_s += t1 - t0  # the wait: what the read ahead did not hide
+        stats.experts_read += read.layout.num_experts
+        stats.bytes_read += read.blobs.nbytes
+        pool = self._pool(read)
+        stats.upload_s += time.perf_counter() - t1
+        return pool
+
+    def ahead(self, layer: int) -> None:
+        """Start reading ``layer`` in the background (nothing if reading ahead is off, or the
+        layer would take more than ``READ_AHEAD_RAM_SHARE`` of the memory available)."""
+        if not self.read_ahead:
+            return
+        self._settle()
+        layout = self.store.layout(layer)
+        nbytes = layout.num_experts * layout.blob_size
+        if nbytes > READ_AHEAD_RAM_SHARE * psutil.virtual_memory().available:
+            return
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="moeflux-layer-ahead")
+        read = self._prepare(layer)
+        read.future = self._thread.submit(self._fill, read)
+        self._ahead = read
+
+    @staticmethod
+    def _pool(read: _Read) -> ExpertPool:
+        layout, n = read.layout, read.layout.num_experts
+
+        def typed(raw: Dict[str, mx.array]) -> Dict[str, mx.array]:
+            return {
+                c.name: raw[c.name].view(MX_DTYPES[c.dtype]).reshape(n, *c.shape)
+                for c in layout.components
+            }
+
+        if read.staged is None:
+            assert read.raw is not None
+            arrays = typed(read.raw)
+        else:
+            # beside the computation on the default stream, not behind it
+            with mx.stream(_stream("copy")):
+                arrays = typed(
+                    {
+                        c.name: mx.contiguous(read.staged[:, c.offset : c.offset + c.nbytes])
+                        for c in layout.components
+                    }
+                )
+        return ExpertPool(arrays, layout.quantization, layout.overrides)
+
+    def close(self) -> None:
+        """Wait for a read under way and let go of the buffers."""
+        self._settle()
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
+        self._bufs = [None, None]
+        self._host_buf = None
