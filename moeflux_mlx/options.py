@@ -12,6 +12,7 @@ Plain Python: the miss server process imports it without MLX.
     MOEFLUX_DEVICE_TABLE         device_table    0/off/false/no | 1/on/true/yes (unset: where CUDA is)
     MOEFLUX_SLOT_WRITES          slot_writes     host | device (unset: by the device)
     MOEFLUX_EVICTION             eviction        lru | lfu | lfuda | decay | s3fifo
+    MOEFLUX_THREADS              threads         parallel reads of the pread store (>= 1)
     MOEFLUX_WAIT_TIMEOUT_S       wait_timeout_s  how long the GPU waits for the miss server (> 0)
     MOEFLUX_SERVER_POLL_US       server_poll_us  the miss server's poll interval after a request
     MOEFLUX_SERVER_POLL_MAX_US   server_poll_max_us  ... growing to this while no request comes
@@ -94,6 +95,7 @@ ENVIRONMENT: Dict[str, Tuple[str, Callable[[str], Any]]] = {
     "device_table": ("MOEFLUX_DEVICE_TABLE", _switch),
     "slot_writes": ("MOEFLUX_SLOT_WRITES", _Choice(SLOT_WRITES)),
     "eviction": ("MOEFLUX_EVICTION", _Choice(EVICTIONS)),
+    "threads": ("MOEFLUX_THREADS", lambda text: _positive_int(_whole_number(text))),
     "wait_timeout_s": ("MOEFLUX_WAIT_TIMEOUT_S", _number(0, strict_minimum=True)),
     "server_poll_us": ("MOEFLUX_SERVER_POLL_US", _number(0, strict_minimum=False)),
     "server_poll_max_us": ("MOEFLUX_SERVER_POLL_MAX_US", _number(0, strict_minimum=False)),
@@ -103,6 +105,13 @@ ENVIRONMENT: Dict[str, Tuple[str, Callable[[str], Any]]] = {
 # a call routing at least this many (token, expert) rows per expert of its layer names nearly
 # every expert (1 - e^-4 = 98% at uniform routing): reading the whole layer costs few extra bytes
 DEFAULT_PREFILL_WHOLE_LAYER = 4.0
+
+
+def _whole_number(text: str) -> int:
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        raise ValueError("expected a whole number >= 1") from None
 
 
 def _positive_int(value) -> int:

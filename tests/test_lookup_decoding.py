@@ -4,8 +4,9 @@ and mlx-lm's own draft-model speculation through a streamed main model.
 
 On a GPU a pass of several tokens rounds unlike as many one-token steps (other matmul shapes):
 stock mlx-lm's own draft-model speculation changes its tokens there (seen on an H100). So on a
-GPU the streamed model is held to the same speculation through stock mlx-lm's model, bit for bit,
-and to plain decoding's tokens; on the CPU to plain decoding's log-probs too."""
+GPU the streamed model is held to plain decoding's tokens, and where its passes are computed as
+stock computes them (every expert resident) to the same speculation through stock mlx-lm's
+model, bit for bit; on the CPU to both, log-probs included."""
 
 import mlx.core as mx
 import mlx_lm
@@ -105,7 +106,8 @@ def test_greedy_is_plain_decoding_bit_for_bit(ckpts, budget, k):
             )
         )
         _assert_plain(got, want)  # tokens, and every log-prob (verified in a batch or not)
-        _as_stock(got, ckpts[0], prompt, num_draft_tokens=k)
+        if budget == "all" or not ON_GPU:  # at 25% a pass's MoE layers go a token at a time
+            _as_stock(got, ckpts[0], prompt, num_draft_tokens=k)
         assert stats.accepted > 0 and stats.accepted == sum(d for *_, d in got)
         assert stats.steps < N  # fewer forward passes than tokens
         t = rt.stats_dict()["total"]
