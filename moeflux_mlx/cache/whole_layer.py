@@ -22,7 +22,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -58,7 +58,9 @@ class _Read:
     layer: int
     layout: ExpertLayout
     blobs: np.ndarray  # [n, blob_size] host bytes
-    staged: Optional[mx.array]  # the same memory, device-readable (CUDA); None: host writes
+    # the device-readable staging buffer (CUDA) whose first bytes are ``blobs``, evaluated and
+    # never sliced on the default stream; None: host writes
+    staged: Optional[mx.array]
     raw: Optional[Dict[str, mx.array]]  # host writes: the pool's arrays, filled by the read
     future: Optional[Future] = None  # a read ahead (None: read by the caller)
 
@@ -80,23 +82,28 @@ class WholeLayerReads:
         self._thread: Optional[ThreadPoolExecutor] = None
         self._ahead: Optional[_Read] = None
         self._bufs: List[Optional[mx.array]] = [None, None]  # device staging, alternating
+        self._views: List[Optional[np.ndarray]] = [None, None]  # their host views
         self._turn = 0
         self._host_buf: Optional[np.ndarray] = None  # host writes: the read's own buffer
 
     # -- buffers ---------------------------------------------------------------------------
 
-    def _staging_buffer(self, n: int, blob_size: int) -> mx.array:
-        """The next of the two staging buffers, ``[n, blob_size]`` (not kept beyond
-        ``STAGING_KEEP_BYTES``)."""
+    def _staging_buffer(self, n: int, blob_size: int) -> Tuple[mx.array, np.ndarray]:
+        """The next of the two staging buffers (not kept beyond ``STAGING_KEEP_BYTES``) and a
+        ``[n, blob_size]`` host view of its first bytes. No MLX operation here: one queued on
+        the default stream would wait for the computation queued there before the read could
+        start."""
         assert self.staging is not None
         nbytes = n * blob_size
         if nbytes > STAGING_KEEP_BYTES:
-            return self.staging.allocate((n, blob_size))
+            big = self.staging.allocate((nbytes,))
+            return big, host_view(big).reshape(n, blob_size)
         i, self._turn = self._turn, 1 - self._turn
-        buf = self._bufs[i]
-        if buf is None or buf.size < nbytes:
+        buf, view = self._bufs[i], self._views[i]
+        if buf is None or view is None or buf.size < nbytes:
             buf = self._bufs[i] = self.staging.allocate((nbytes,))
-        return buf[:nbytes].reshape(n, blob_size)
+            view = self._views[i] = host_view(buf).reshape(-1)
+        return buf, view[:nbytes].reshape(n, blob_size)
 
     def _host_buffer(self, n: int, blob_size: int) -> np.ndarray:
         nbytes = n * blob_size
@@ -111,8 +118,8 @@ class WholeLayerReads:
         layout = self.store.layout(layer)
         n, size = layout.num_experts, layout.blob_size
         if self.staging is not None:
-            staged = self._staging_buffer(n, size)
-            return _Read(layer, layout, host_view(staged), staged, None)
+            staged, blobs = self._staging_buffer(n, size)
+            return _Read(layer, layout, blobs, staged, None)
         with mx.stream(_stream("alloc")):  # not queued behind the default stream's computation
             raw = {c.name: mx.zeros((n, c.nbytes), mx.uint8) for c in layout.components}
             mx.eval(list(raw.values()))
@@ -193,9 +200,10 @@ class WholeLayerReads:
         else:
             # beside the computation on the default stream, not behind it
             with mx.stream(_stream("copy")):
+                staged = read.staged[: read.blobs.size].reshape(read.blobs.shape)
                 arrays = typed(
                     {
-                        c.name: mx.contiguous(read.staged[:, c.offset : c.offset + c.nbytes])
+                        c.name: mx.contiguous(staged[:, c.offset : c.offset + c.nbytes])
                         for c in layout.components
                     }
                 )
@@ -207,5 +215,5 @@ class WholeLayerReads:
         if self._thread is not None:
             self._thread.shutdown(wait=True)
             self._thread = None
-        self._bufs = [None, None]
+        self._bufs, self._views = [None, None], [None, None]
         self._host_buf = None
