@@ -278,3 +278,35 @@ def test_no_read_ahead_beyond_the_memory_share(tiny, monkeypatch):
         seen = _reads_by_thread(monkeypatch, rt.store)
         assert mx.array_equal(_prefill_logits(model, prompt), want_logits).item()
         assert [name for _, name in seen if name.startswith("moeflux-layer-ahead")] == []
+
+
+def test_interrupt_while_a_read_ahead_runs(tiny, monkeypatch):
+    """An interrupt (Ctrl-C) while the prefill waits for a read ahead leaves that read tracked:
+    the next prefill waits for it before reusing its buffer, and is exact."""
+    from moeflux_mlx.cache.whole_layer import WholeLayerReads
+
+    packed, prompt, want_logits, want_tokens = tiny
+    model = _load(monkeypatch, packed, ROWS, expert_io="pread")
+    real_ahead = WholeLayerReads.ahead
+    interrupted = []
+
+    def ahead(self, layer):
+        real_ahead(self, layer)
+        future = self._ahead.future if self._ahead is not None else None
+        if future is not None and not interrupted:
+            real_result = future.result
+
+            def result(*args, **kwargs):
+                interrupted.append(layer)
+                future.result = real_result
+                raise KeyboardInterrupt
+
+            future.result = result
+
+    monkeypatch.setattr(WholeLayerReads, "ahead", ahead)
+    with model.moeflux as rt:
+        with pytest.raises(KeyboardInterrupt):
+            _prefill_logits(model, prompt)
+        assert interrupted and rt.cache.whole_reads._ahead is not None  # still tracked
+        assert mx.array_equal(_prefill_logits(model, prompt), want_logits).item()
+        assert _greedy(model, prompt) == want_tokens

@@ -137,14 +137,16 @@ class WholeLayerReads:
     def _settle(self) -> Optional[_Read]:
         """The read ahead, once ended (None: none, or it failed: the caller reads again, so a
         lasting fault raises from the call that needs the layer)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None or ahead.future is None:
-            return ahead
-        try:
-            ahead.future.result()
-        except Exception as err:  # noqa: BLE001 - any failure: read again, on the caller's thread
-            log.debug("layer %d: read ahead failed (%s); reading it again", ahead.layer, err)
-            return None
+        ahead = self._ahead
+        if ahead is not None and ahead.future is not None:
+            try:
+                ahead.future.result()
+            except Exception as err:  # noqa: BLE001 - any failure: read again, by the caller
+                log.debug("layer %d: read ahead failed (%s); reading it again", ahead.layer, err)
+                ahead = None
+            # an interrupt leaves it in ``_ahead``: the next settle waits for it again, before
+            # any buffer it may still be writing is handed to another read
+        self._ahead = None
         return ahead
 
     def take(self, layer: int, stats: LayerStats) -> ExpertPool:
