@@ -190,38 +190,55 @@ def test_a_call_beyond_the_slots_reads_only_what_they_lack(
         assert copied > 0
 
 
-def _reads_by_thread(monkeypatch, store):
-    """(layer, thread name) of every whole-layer read of ``store``, in order."""
-    import threading
-
+def _reads_of(monkeypatch, store):
+    """The layers of every whole-layer read of ``store``, in order."""
     seen = []
     real = store.read
 
     def read(layer, experts, out=None):
         if len(experts) == store.layout(layer).num_experts:
-            seen.append((layer, threading.current_thread().name))
+            seen.append(layer)
         return real(layer, experts, out)
 
     monkeypatch.setattr(store, "read", read)
     return seen
 
 
+def _read_ahead_log(monkeypatch, on_start=None):
+    """The layers actually read ahead (``WholeLayerReads.ahead`` started a read), in order;
+    ``on_start(layer)`` runs after each."""
+    from moeflux_mlx.cache.whole_layer import WholeLayerReads
+
+    started = []
+    real = WholeLayerReads.ahead
+
+    def ahead(self, layer):
+        real(self, layer)
+        if self._ahead is not None and self._ahead.layer == layer:
+            started.append(layer)
+            if on_start is not None:
+                on_start(layer)
+
+    monkeypatch.setattr(WholeLayerReads, "ahead", ahead)
+    return started
+
+
 @pytest.mark.parametrize("writes", ["host", "device"])
 @pytest.mark.parametrize("ahead", [True, False])
 def test_next_layer_is_read_ahead(tiny, monkeypatch, writes, ahead):
-    """With read-ahead on, the first layer is read by the caller and every later one in the
-    background while the one before computes; off, all by the caller. Bit-identical either way."""
+    """With read-ahead on, every layer after the first is read while the one before computes
+    and taken from that read; off, none. Bit-identical either way."""
     packed, prompt, want_logits, want_tokens = tiny
     monkeypatch.setenv("MOEFLUX_SLOT_WRITES", writes)
     monkeypatch.setenv("MOEFLUX_PREFILL_READ_AHEAD", "on" if ahead else "off")
+    started = _read_ahead_log(monkeypatch)
     model = _load(monkeypatch, packed, ROWS, expert_io="pread")
     with model.moeflux as rt:
-        seen = _reads_by_thread(monkeypatch, rt.store)
+        seen = _reads_of(monkeypatch, rt.store)
         assert mx.array_equal(_prefill_logits(model, prompt), want_logits).item()
         layers = sorted(rt.layout.layers)
-        assert [layer for layer, _ in seen] == layers  # each layer read once, in order
-        background = [layer for layer, name in seen if name.startswith("moeflux-layer-ahead")]
-        assert background == (layers[1:] if ahead else [])
+        assert seen == layers  # each layer read once, in order
+        assert started == (layers[1:] if ahead else [])
         assert rt.stats.total().experts_read == sum(
             ly.num_experts for ly in rt.layout.layers.values()
         )
@@ -241,29 +258,27 @@ def test_read_ahead_option(monkeypatch):
 def test_failed_read_ahead_is_read_again(tiny, monkeypatch, writes):
     """A read ahead that fails once (a passing fault) is read again by the call that needs the
     layer: the prefill is exact and nothing is half-taken."""
-    import threading
-
     packed, prompt, want_logits, want_tokens = tiny
     monkeypatch.setenv("MOEFLUX_SLOT_WRITES", writes)
+    armed, failed = [], []
+    _read_ahead_log(monkeypatch, on_start=armed.append)
     model = _load(monkeypatch, packed, ROWS, expert_io="pread")
     real = os.preadv
-    failed = []
 
     def flaky(fd, buffers, offset, *args):
-        ahead = any(t.name.startswith("moeflux-layer-ahead") for t in threading.enumerate())
-        if ahead and not failed and threading.current_thread().name.startswith("moeflux-read"):
+        if armed and not failed:  # the first piece read after a read ahead started
             failed.append(offset)
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real(fd, buffers, offset, *args)
 
     with model.moeflux as rt:
         monkeypatch.setattr(os, "preadv", flaky)
-        seen = _reads_by_thread(monkeypatch, rt.store)
+        seen = _reads_of(monkeypatch, rt.store)
         assert mx.array_equal(_prefill_logits(model, prompt), want_logits).item()
         monkeypatch.setattr(os, "preadv", real)
-        assert failed  # the fault was hit, by a read ahead
-        layers = [layer for layer, _ in seen]
-        assert len(layers) == len(set(layers)) + 1  # one layer read twice: ahead, then again
+        assert failed  # the fault was hit, by the read ahead of the second layer
+        assert seen == sorted(seen) and len(seen) == len(set(seen)) + 1  # read again, once
+        assert seen.count(sorted(rt.layout.layers)[1]) == 2
         assert _greedy(model, prompt) == want_tokens
 
 
@@ -273,40 +288,57 @@ def test_no_read_ahead_beyond_the_memory_share(tiny, monkeypatch):
 
     packed, prompt, want_logits, _ = tiny
     monkeypatch.setattr(whole_layer, "READ_AHEAD_RAM_SHARE", 1e-12)
+    started = _read_ahead_log(monkeypatch)
     model = _load(monkeypatch, packed, ROWS, expert_io="pread")
-    with model.moeflux as rt:
-        seen = _reads_by_thread(monkeypatch, rt.store)
+    with model.moeflux:
         assert mx.array_equal(_prefill_logits(model, prompt), want_logits).item()
-        assert [name for _, name in seen if name.startswith("moeflux-layer-ahead")] == []
+        assert started == []
 
 
 def test_interrupt_while_a_read_ahead_runs(tiny, monkeypatch):
-    """An interrupt (Ctrl-C) while the prefill waits for a read ahead leaves that read tracked:
-    the next prefill waits for it before reusing its buffer, and is exact."""
-    from moeflux_mlx.cache.whole_layer import WholeLayerReads
+    """An interrupt (Ctrl-C) while the prefill waits for a read ahead that is still running leaves
+    that read tracked: the next prefill waits for it before reusing its buffer, and is exact."""
+    import time as _time
+
+    from moeflux_mlx.cache import whole_layer
 
     packed, prompt, want_logits, want_tokens = tiny
     model = _load(monkeypatch, packed, ROWS, expert_io="pread")
-    real_ahead = WholeLayerReads.ahead
     interrupted = []
 
-    def ahead(self, layer):
-        real_ahead(self, layer)
-        future = self._ahead.future if self._ahead is not None else None
-        if future is not None and not interrupted:
-            real_result = future.result
+    def slow_then_interrupt(layer):
+        # the read ahead of this layer is slow, and the wait for it interrupted, once
+        reads = model.moeflux.cache.whole_reads
+        future = reads._ahead.future
+        real_result = future.result
 
-            def result(*args, **kwargs):
-                interrupted.append(layer)
-                future.result = real_result
-                raise KeyboardInterrupt
+        def result(*args, **kwargs):
+            interrupted.append(layer)
+            future.result = real_result
+            raise KeyboardInterrupt
 
-            future.result = result
+        future.result = result
 
-    monkeypatch.setattr(WholeLayerReads, "ahead", ahead)
+    real_fill = whole_layer._fill
+
+    def slow_fill(store, layer, blobs, views):
+        if not interrupted:
+            _time.sleep(0.5)
+        real_fill(store, layer, blobs, views)
+
+    monkeypatch.setattr(whole_layer, "_fill", slow_fill)
+    armed = []
+
+    def on_start(layer):
+        if not armed:
+            armed.append(layer)
+            slow_then_interrupt(layer)
+
+    _read_ahead_log(monkeypatch, on_start=on_start)
     with model.moeflux as rt:
         with pytest.raises(KeyboardInterrupt):
             _prefill_logits(model, prompt)
-        assert interrupted and rt.cache.whole_reads._ahead is not None  # still tracked
+        ahead = rt.cache.whole_reads._ahead
+        assert interrupted and ahead is not None and not ahead.future.done()  # still tracked
         assert mx.array_equal(_prefill_logits(model, prompt), want_logits).item()
         assert _greedy(model, prompt) == want_tokens

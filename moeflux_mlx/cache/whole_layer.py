@@ -6,14 +6,15 @@ a thread of its own, so the reads run back to back while the device computes, in
 waiting for its layer's call.
 
 Who writes what, and when:
-- A buffer is written by one read at a time, on the read-ahead thread or the caller's. The
-  caller hands a buffer to a new read only after the read before it in that buffer ended
-  (``_settle``) and after the device copies out of it were evaluated (``whole_lookup`` evaluates
-  them before it returns): device staging (CUDA) alternates between two buffers, one being
-  copied out of while the next layer is read into the other.
+- Every read, ahead or not, runs on the one read thread, in the order it was asked for: a read
+  never writes a buffer while an earlier one (even one abandoned by an interrupt) still does.
+  The caller waits for a read it takes (``_settle``).
+- A buffer is handed to a new read only after the device copies out of it were evaluated
+  (``whole_lookup`` evaluates them before it returns): device staging (CUDA) alternates between
+  two buffers, one being copied out of while the next layer is read into the other.
 - Host-written pools (CPU, Metal) are filled by the read itself, into arrays the caller made for
-  that layer; nothing writes them again. Their read buffer is the read-ahead thread's own.
-- The read-ahead thread touches numpy memory and the store only, never MLX.
+  that layer; nothing writes them again.
+- The read thread is handed numpy views made by the caller; it never calls MLX.
 """
 
 from __future__ import annotations
@@ -39,16 +40,18 @@ log = logging.getLogger(__name__)
 # bytes are held beside the two layers' pools a prefill already keeps
 READ_AHEAD_RAM_SHARE = 0.25
 
-_STREAMS: Dict[str, mx.Stream] = {}
+_STREAMS: Dict[Tuple[str, str], mx.Stream] = {}
 
 
 def _stream(what: str) -> mx.Stream:
     """A stream of this module's own: "alloc" on the CPU (pool allocations, ready without
     waiting for the computation queued on the default stream), "copy" on the default device
     (the copies out of device staging, which then run beside that computation)."""
-    if what not in _STREAMS:
-        _STREAMS[what] = mx.new_stream(mx.cpu if what == "alloc" else mx.default_device())
-    return _STREAMS[what]
+    device = mx.cpu if what == "alloc" else mx.default_device()
+    key = (what, str(device))
+    if key not in _STREAMS:
+        _STREAMS[key] = mx.new_stream(device)
+    return _STREAMS[key]
 
 
 @dataclass
@@ -62,7 +65,8 @@ class _Read:
     # never sliced on the default stream; None: host writes
     staged: Optional[mx.array]
     raw: Optional[Dict[str, mx.array]]  # host writes: the pool's arrays, filled by the read
-    future: Optional[Future] = None  # a read ahead (None: read by the caller)
+    views: List[Tuple[np.ndarray, int, int]]  # host writes: (view of raw, offset, nbytes) each
+    future: Optional[Future] = None  # the read, on the read thread
 
 
 class WholeLayerReads:
@@ -79,7 +83,7 @@ class WholeLayerReads:
     ):
         self.store, self.staging = store, staging
         self.read_ahead = read_ahead
-        self._thread: Optional[ThreadPoolExecutor] = None
+        self._thread: Optional[ThreadPoolExecutor] = None  # the read thread
         self._ahead: Optional[_Read] = None
         self._bufs: List[Optional[mx.array]] = [None, None]  # device staging, alternating
         self._views: List[Optional[np.ndarray]] = [None, None]  # their host views
@@ -119,33 +123,40 @@ class WholeLayerReads:
         n, size = layout.num_experts, layout.blob_size
         if self.staging is not None:
             staged, blobs = self._staging_buffer(n, size)
-            return _Read(layer, layout, blobs, staged, None)
+            return _Read(layer, layout, blobs, staged, None, [])
         with mx.stream(_stream("alloc")):  # not queued behind the default stream's computation
             raw = {c.name: mx.zeros((n, c.nbytes), mx.uint8) for c in layout.components}
             mx.eval(list(raw.values()))
-        return _Read(layer, layout, self._host_buffer(n, size), None, raw)
+        views = [(host_view(raw[c.name]), c.offset, c.nbytes) for c in layout.components]
+        return _Read(layer, layout, self._host_buffer(n, size), None, raw, views)
 
     # -- reads -----------------------------------------------------------------------------
 
-    def _fill(self, read: _Read) -> None:
-        """Read the layer's blobs and, for host writes, scatter them into the pool's arrays."""
-        self.store.read(read.layer, np.arange(read.layout.num_experts), read.blobs)
-        if read.raw is not None:
-            for c in read.layout.components:
-                host_view(read.raw[c.name])[:] = read.blobs[:, c.offset : c.offset + c.nbytes]
+    def _start(self, read: _Read) -> None:
+        """Queue ``read`` on the read thread and track it (``_settle`` waits for it)."""
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="moeflux-layer-read")
+        self._ahead = read  # tracked before it is queued: an interrupt cannot lose it
+        read.future = self._thread.submit(_fill, self.store, read.layer, read.blobs, read.views)
 
     def _settle(self) -> Optional[_Read]:
         """The read ahead, once ended (None: none, or it failed: the caller reads again, so a
         lasting fault raises from the call that needs the layer)."""
         ahead = self._ahead
-        if ahead is not None and ahead.future is not None:
+        future = None if ahead is None else ahead.future
+        if ahead is not None and future is not None:
             try:
-                ahead.future.result()
+                future.result()
             except Exception as err:  # noqa: BLE001 - any failure: read again, by the caller
                 log.debug("layer %d: read ahead failed (%s); reading it again", ahead.layer, err)
                 ahead = None
-            # an interrupt leaves it in ``_ahead``: the next settle waits for it again, before
-            # any buffer it may still be writing is handed to another read
+            except BaseException:
+                # an interrupt leaves a read still running in ``_ahead``, for the next settle
+                if future.done():
+                    self._ahead = None
+                raise
+        elif ahead is not None:  # never queued
+            ahead = None
         self._ahead = None
         return ahead
 
@@ -160,8 +171,11 @@ class WholeLayerReads:
         t0 = time.perf_counter()
         read = self._settle()
         if read is None or read.layer != layer:
-            read = self._prepare(layer)
-            self._fill(read)
+            self._start(self._prepare(layer))
+            read = self._settle()
+            if read is None:  # it failed: again, on this thread, to raise the error from here
+                read = self._prepare(layer)
+                _fill(self.store, layer, read.blobs, read.views)
         t1 = time.perf_counter()
         stats.io_s += t1 - t0  # the wait: what the read ahead did not hide
         stats.experts_read += read.layout.num_experts
@@ -180,11 +194,12 @@ class WholeLayerReads:
         nbytes = layout.num_experts * layout.blob_size
         if nbytes > READ_AHEAD_RAM_SHARE * psutil.virtual_memory().available:
             return
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="moeflux-layer-ahead")
-        read = self._prepare(layer)
-        read.future = self._thread.submit(self._fill, read)
-        self._ahead = read
+        try:
+            read = self._prepare(layer)
+        except Exception as err:  # noqa: BLE001 - no room for a read ahead: the call reads itself
+            log.debug("layer %d: no read ahead (%s)", layer, err)
+            return
+        self._start(read)
 
     @staticmethod
     def _pool(read: _Read) -> ExpertPool:
@@ -219,3 +234,13 @@ class WholeLayerReads:
             self._thread = None
         self._bufs, self._views = [None, None], [None, None]
         self._host_buf = None
+
+
+def _fill(
+    store: ExpertStore, layer: int, blobs: np.ndarray, views: List[Tuple[np.ndarray, int, int]]
+) -> None:
+    """Read ``layer``'s blobs into ``blobs`` and, for host writes, scatter them into the pool's
+    arrays through their ``views`` (numpy only: it runs on the read thread)."""
+    store.read(layer, np.arange(len(blobs)), blobs)
+    for view, offset, nbytes in views:
+        view[:] = blobs[:, offset : offset + nbytes]
