@@ -107,7 +107,7 @@ fi
 if part prefill; then  # a 512-token prompt at 25%, warm page cache, against stock
   timeout 420 python3 benchmarks/prefill.py --arch qwen3_moe --size full --layers 8 \
     --set num_experts=64 --build-dir /tmp/bench-models --convert --io pread --routing-trace "$TRACE" \
-    --prompt-tokens 512 --budgets 0.25 --prefill-whole-layer 4,0 --repeats 3 --out "$OUT/prefill" \
+    --prompt-tokens 512 --budgets 0.25 --prefill-whole-layer 4,0 --read-ahead on,off --repeats 5 --out "$OUT/prefill" \
     > "$OUT/prefill.txt" 2>&1
   echo "prefill:"; grep -E "^\|" "$OUT/prefill.txt" | tail -8
 fi
