@@ -35,6 +35,13 @@ def test_benchmark_runs_and_writes_results(tiny_checkpoints, tmp_path):
     assert by[("moeflux ops", "100%")]["hit_rate"] is None  # resident: no syncs to count
     cold = by[("moeflux ops", "25%")]
     assert cold["mb_read_per_token"] > 0 and cold["io_bound_tps"] > 0 and 0 < cold["hit_rate"] < 1
+    # a cold run's bound: the disk's cold rate measured on both sides of it, their mean
+    before, after = cold["cold_gb_s_before_after"]
+    assert before > 0 and after > 0 and cold["cold_gb_s"] == pytest.approx((before + after) / 2)
+    assert cold["io_bound_tps"] == pytest.approx(
+        cold["cold_gb_s"] * 1e3 / cold["mb_read_per_token"]
+    )
+    assert by[("moeflux ops", "100%")]["cold_gb_s"] is None  # warm: the run-wide figure
     ahead = by[("moeflux ops +prefetch", "25%")]
     assert ahead["prefetch_issued_per_token"] > 0 and cold["prefetch_issued_per_token"] == 0
     assert result["sync_overhead_ms_per_layer"] is not None

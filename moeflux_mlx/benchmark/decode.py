@@ -59,6 +59,10 @@ class DecodeRun:
     gpu_waits_per_token: float = 0.0  # device-side table: GPU waits for the miss server
     gpu_wait_ms_per_token: float = 0.0  # their time, the server's reads included
     other_ms_per_token: float = 0.0
+    # cold runs: the disk's cold bandwidth measured right before and right after the timed
+    # decode, their mean the bound's (a VM disk's rate moves by a third within minutes)
+    cold_gb_s: Optional[float] = None
+    cold_gb_s_before_after: Optional[List[float]] = None
     io_bound_tps: Optional[float] = None
     fraction_of_io_bound: Optional[float] = None
     peak_memory_gb: float = 0.0
@@ -170,6 +174,7 @@ def _run_moeflux(
     try:
         _time_generation(model, prompt, 4)  # warm-up: kernels of these shapes, allocator, fills
         files = expert_files(path)
+        around = [read_bandwidth(path)[0]] if cold and bandwidth else []
         if cold:
             drop_page_cache(files)
         # pread + cold: keep dropping the page cache while decoding, as if the experts were many
@@ -186,6 +191,9 @@ def _run_moeflux(
                 model, prompt, decode_tokens, on_first=rt.reset_stats
             )
         rt.stats_dict()  # counts what the miss server read, if any
+        if around:
+            around.append(read_bandwidth(path)[0])
+            bandwidth = sum(around) / len(around)
         t = rt.stats.total()
         n = max(len(tokens) - 1, 1)
         table = rt.cache.name == "table"
@@ -219,6 +227,9 @@ def _run_moeflux(
             peak_memory_gb=mx.get_peak_memory() / 1e9,
             tokens=tokens,
         )
+        if around:
+            run.cold_gb_s = bandwidth / 1e9
+            run.cold_gb_s_before_after = [b / 1e9 for b in around]
         if t.bytes_read and bandwidth:
             run.io_bound_tps = bandwidth / (t.bytes_read / n)
             run.fraction_of_io_bound = dtps / run.io_bound_tps

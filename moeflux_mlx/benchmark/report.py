@@ -74,6 +74,7 @@ COLUMNS = [
     ("gpu_waits_per_token", "GPU waits/tok", "{:.2f}"),
     ("gpu_wait_ms_per_token", "GPU wait ms/tok", "{:.2f}"),
     ("other_ms_per_token", "rest ms/tok", "{:.2f}"),
+    ("cold_gb_s", "cold GB/s", "{:.2f}"),
     ("io_bound_tps", "I/O bound tok/s", "{:.1f}"),
     ("fraction_of_io_bound", "of bound", "{:.0%}"),
     ("peak_memory_gb", "peak GB", "{:.2f}"),
@@ -84,7 +85,7 @@ def format_table(result: dict) -> str:
     head = "| " + " | ".join(c[1] for c in COLUMNS) + " |"
     lines = [head, "|" + "---|" * len(COLUMNS)]
     for r in result["runs"]:
-        cells = [("-" if r[k] is None else f.format(r[k])) for k, _, f in COLUMNS]
+        cells = [("-" if r.get(k) is None else f.format(r[k])) for k, _, f in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -188,7 +189,9 @@ def write_results(result: dict, out_dir: Path, stem: str) -> List[Path]:
         f"Machine: {result['machine']}; MLX {result['mlx']} ({result['device']}).",
         f"Random expert-sized reads of the expert files (8 threads): cold "
         f"{result['cold_read_gb_s']:.2f} GB/s, from the page cache "
-        f"{result.get('page_cache_read_gb_s', float('nan')):.2f} GB/s. The I/O bound uses the cold figure.",
+        f"{result.get('page_cache_read_gb_s', float('nan')):.2f} GB/s. The I/O bound of a cold "
+        "run uses its own cold figure (cold GB/s: the mean of the same measurement right before "
+        "and right after its timed decode); other runs use this one.",
         "Budgets below 100% run cold: during pread runs a separate process keeps dropping the expert files "
         "from the page cache (as if the experts were many times RAM); mmap runs are cold only at "
         "their start (mapped pages cannot be dropped).",
