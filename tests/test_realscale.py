@@ -159,6 +159,42 @@ def test_store_reads_offsets_and_lengths(checkpoints, name):
                     _check_blob(blobs[i], lay, layer, e, written)
 
 
+@pytest.mark.parametrize(
+    "sizes", [[1769472] * 5, [7077888, 1769472, 3 * 4096], [4096] * 3, [300_000]]
+)
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_a_call_s_reads_are_dealt_in_equal_shares(tmp_path, sizes, threads):
+    """Every byte of a call's reads is read once, into its place; the shares are at most one per
+    thread, all but the last the same page multiple and none but a lone one under the minimum,
+    and no piece is longer than ``READ_PIECE_BYTES``."""
+    from moeflux_mlx.io import store as st
+
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, sum(sizes) + 3 * 4096 * len(sizes), dtype=np.uint8)
+    path = tmp_path / "blobs.bin"
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        starts = [4096 * 3 * i + sum(sizes[:i]) for i in range(len(sizes))][::-1]  # any order
+        outs = [np.zeros(n, np.uint8) for n in sizes[::-1]]
+        shares = st.balanced_shares(
+            [(fd, a, out, f"expert {i}") for i, (a, out) in enumerate(zip(starts, outs))], threads
+        )
+        for share in shares:
+            st._run_jobs(share)
+    finally:
+        os.close(fd)
+    for a, out in zip(starts, outs):
+        assert np.array_equal(out, data[a : a + len(out)])
+    per_share = [sum(len(job[3]) for job in share) for share in shares]
+    assert len(shares) <= threads and sum(per_share) == sum(sizes)
+    if len(shares) > 1:
+        assert len(set(per_share[:-1])) == 1 and per_share[0] % st.PAGE_BYTES == 0
+        assert per_share[-1] <= per_share[0] and per_share[0] >= st.MIN_SHARE_BYTES
+    assert len(shares) == min(threads, max(1, sum(sizes) // st.MIN_SHARE_BYTES))
+    assert max(len(job[3]) for share in shares for job in share) <= st.READ_PIECE_BYTES
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_convert_plan_layout_and_layer_files(checkpoints, tmp_path, monkeypatch, name):
     """``convert`` at real scale, writing holes instead of bytes except for one expert layer of

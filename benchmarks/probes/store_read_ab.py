@@ -10,6 +10,9 @@ batch and how many bytes the disk delivered per byte asked for (``/sys/block/<de
 counts (decode misses ~1 expert per layer at a time: latency, not throughput). ``--dropper`` adds
 a third mode: readahead off while the decode benchmark's ``PageCacheDropper`` drops the files
 every millisecond beside the reads, as it does during cold runs (does the dropping slow them?).
+``--shares-ab`` instead compares, batch by batch in turn, the store's reads (a call's bytes in
+equal shares, one per thread) with the queue of pieces it used before, and prints both beside the
+decode benchmark's cold bandwidth (the I/O bound's rate) measured before and after.
 
     python benchmarks/probes/store_read_ab.py [--dir /tmp/moeflux-read-ab] [--rounds 3] [--batches 20]
                                        [--sweep 256:8,512:16,1024:8,2048:8] [--dropper]
@@ -50,6 +53,89 @@ def sectors_read(stat):
     return int(stat.read_text().split()[2]) if stat is not None else 0
 
 
+def read_in_pieces(store, layer, experts, out):
+    """The store's pread before equal shares: one job per piece of at most
+    ``READ_PIECE_BYTES`` on the read threads, taken as they come."""
+    src, pool = store.layers[layer], store._executor()
+    futures = [
+        pool.submit(*job)
+        for i, e in enumerate(experts)
+        for fd, start, at, n, what in src.pieces(e)
+        for job in st._chunks(fd, start, out[i, at : at + n], what)
+    ]
+    for f in futures:
+        f.result()
+
+
+def direct_reader(store, layer):
+    """Equal shares through a second descriptor opened with ``O_DIRECT`` (no page cache; needs
+    page-aligned offsets, lengths and buffers): is bypassing the cache worth building?"""
+    src = store.layers[layer]
+    fd = os.open(src.path, os.O_RDONLY | os.O_DIRECT)
+
+    def read(store, layer, experts, out):
+        assert out.ctypes.data % st.PAGE_BYTES == 0 and out.shape[1] % st.PAGE_BYTES == 0
+        reads = [(fd, int(e) * out.shape[1], out[i], "direct") for i, e in enumerate(experts)]
+        pool = store._executor()
+        for f in [pool.submit(st._run_jobs, s) for s in st.balanced_shares(reads, store.threads)]:
+            f.result()
+
+    return read, fd
+
+
+def shares_ab(packed, batches, sizes=(2, 4, 5, 6, 8), threads=8):
+    """Cold batches of ``sizes`` random experts, each read by every scheme in turn."""
+    import mmap
+
+    from moeflux_mlx.benchmark.pagecache import read_bandwidth
+
+    before = read_bandwidth(packed)[0] / 1e9
+    store, layout = st.open_store(packed, "pread", threads=threads)
+    layer = sorted(layout.layers)[0]
+    lay = layout.layers[layer]
+    rng = random.Random(1)
+    direct, direct_fd = direct_reader(store, layer)
+    schemes = {
+        "equal shares (the store)": None,
+        "queue of pieces (before)": read_in_pieces,
+        "equal shares, O_DIRECT": direct,
+    }
+    times = {(name, k): [] for k in sizes for name in schemes}
+    buf = mmap.mmap(-1, max(sizes) * lay.blob_size)  # page-aligned, for O_DIRECT
+    with store:
+        fds = [fd for s in store.layers.values() for fd in s.file_descriptors().values()]
+        out = np.frombuffer(buf, np.uint8).reshape(max(sizes), lay.blob_size)
+        for b in range(batches):
+            for k in sizes:
+                experts = np.array(sorted(rng.sample(range(lay.num_experts), k)))
+                names = list(schemes)[b % 3 :] + list(schemes)[: b % 3]  # who goes first turns
+                for name in names:
+                    for fd in fds:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    t = time.perf_counter()
+                    if schemes[name] is None:
+                        store.read(layer, experts, out[:k])
+                    else:
+                        schemes[name](store, layer, experts, out[:k])
+                    times[(name, k)].append(time.perf_counter() - t)
+        del out
+    os.close(direct_fd)
+    buf.close()
+    after = read_bandwidth(packed)[0] / 1e9
+    bound = (before + after) / 2
+    print(
+        f"blob {lay.blob_size} bytes, {threads} threads, {batches} batches each, page cache "
+        f"dropped before each read; cold bandwidth (256 whole-expert reads, 8 threads) "
+        f"{before:.2f} before, {after:.2f} GB/s after"
+    )
+    print("| experts | scheme | median ms | GB/s | of the cold bandwidth |")
+    print("|---|---|---|---|---|")
+    for (name, k), v in times.items():
+        ms = statistics.median(v) * 1e3
+        rate = k * lay.blob_size / ms / 1e6
+        print(f"| {k} | {name} | {ms:.2f} | {rate:.2f} | {rate / bound:.0%} |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", type=Path, default=Path("/tmp/moeflux-read-ab"))
@@ -61,12 +147,16 @@ def main():
         action="store_true",
         help="also read beside the decode benchmark's page-cache dropper",
     )
+    ap.add_argument("--shares-ab", action="store_true", help="equal shares vs a queue of pieces")
     args = ap.parse_args()
     src, packed = args.dir / "plain", args.dir / "packed"
     if not src.exists():
         synth.build_checkpoint(src, "qwen3_moe", "full", overrides={"num_hidden_layers": 2})
     if not packed.exists():
         convert(src, packed)
+    if args.shares_ab:
+        shares_ab(packed, args.batches * args.rounds)
+        return
     dev = os.stat(packed).st_dev
     stat = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat")
     stat = stat if stat.exists() else None

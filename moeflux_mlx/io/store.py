@@ -1,9 +1,9 @@
 """The expert store: reads the blobs of routed experts from disk into host memory.
 
 The sources of each layer's bytes are ``format.readers``' ``PackedLayer`` / ``SafetensorsLayer``.
-Two I/O modes read them: ``pread`` into reusable staging buffers, split into pieces over a thread
-pool (the GIL is released while the kernel copies), or copies out of an ``mmap`` of the same
-files; the RAM gate (``select_expert_io``) chooses between them.
+Two I/O modes read them: ``pread`` into reusable staging buffers, a call's bytes dealt in equal
+shares to a thread pool (the GIL is released while the kernel copies), or copies out of an
+``mmap`` of the same files; the RAM gate (``select_expert_io``) chooses between them.
 """
 
 from __future__ import annotations
@@ -33,6 +33,12 @@ STAGING_KEEP_BYTES = 256 << 20  # larger reads (prefill) get a buffer of their o
 # as a single pread is latency-bound on a cold disk (a VM disk at 1.6 GB/s with 8 threads
 # delivered about 1 GB/s to single 2.6 MB reads).
 READ_PIECE_BYTES = 512 << 10
+# A call's reads are dealt to the threads as shares of equal bytes, each read in pieces one after
+# another: with a queue of pieces the last round ran a few pieces deep while other threads sat
+# idle, and a miss batch of a few experts is only two or three rounds. Shares are at least this
+# large, so a small read is not cut into pieces the disk serves at a lower rate.
+MIN_SHARE_BYTES = 256 << 10
+PAGE_BYTES = 4096
 # A part's runs (a tensor-parallel down projection: part of every row) with gaps shorter than
 # this are read as one span, gaps included: the disk reads whole pages (16 KiB on Apple silicon)
 # anyway, and one read per row would cost a call per row.
@@ -152,17 +158,18 @@ class ExpertStore:
         pool = self._executor()
         futures = []
         try:
-            for i, e in enumerate(experts):
-                jobs = (
-                    src.jobs(e, out[i])
-                    if isinstance(src, ShardedLayer)
-                    else [
-                        job
+            if isinstance(src, ShardedLayer):  # runs of rows: a job per piece, as they come
+                shares = [[job] for i, e in enumerate(experts) for job in src.jobs(e, out[i])]
+            else:
+                shares = balanced_shares(
+                    [
+                        (fd, start, out[i, at : at + n], what)
+                        for i, e in enumerate(experts)
                         for fd, start, at, n, what in src.pieces(e)
-                        for job in _chunks(fd, start, out[i, at : at + n], what)
-                    ]
+                    ],
+                    self.threads,
                 )
-                futures += [pool.submit(*job) for job in jobs]
+            futures = [pool.submit(_run_jobs, share) for share in shares]
             errors = [f.exception() for f in futures]  # waits for every read of this call
         except BaseException:
             # interrupted (KeyboardInterrupt, ...) while reads are in flight
@@ -298,6 +305,45 @@ def _chunks(fd: int, start: int, into: np.ndarray, what: str) -> List[tuple]:
         (readers.read_exact, fd, start + off, memoryview(into[off : off + READ_PIECE_BYTES]), what)
         for off in range(0, n, READ_PIECE_BYTES)
     ]
+
+
+def balanced_shares(reads: List[tuple], threads: int) -> List[List[tuple]]:
+    """One call's contiguous reads ``(fd, start, into, what)`` dealt into at most ``threads``
+    shares of equal bytes (page multiples, at least ``MIN_SHARE_BYTES``), in order: a share is
+    the ``read_exact`` jobs, each at most ``READ_PIECE_BYTES``, that one thread runs in turn. A
+    read may be split between two shares.
+
+    Args:
+        reads: ``(fd, file offset, 1-d uint8 array to fill, what)`` per contiguous read.
+        threads: the read threads.
+
+    Returns:
+        The shares, every byte of every read in exactly one job.
+    """
+    total = sum(len(into) for _, _, into, _ in reads)
+    n = max(1, min(threads, total // MIN_SHARE_BYTES))
+    size = -(-total // n)
+    size = -(-size // PAGE_BYTES) * PAGE_BYTES
+    shares: List[List[tuple]] = []
+    share: List[tuple] = []
+    room = size
+    for fd, start, into, what in reads:
+        at = 0
+        while at < len(into):
+            k = min(room, len(into) - at)
+            share += _chunks(fd, start + at, into[at : at + k], what)
+            at, room = at + k, room - k
+            if room == 0:
+                shares.append(share)
+                share, room = [], size
+    if share:
+        shares.append(share)
+    return shares
+
+
+def _run_jobs(jobs: List[tuple]) -> None:
+    for fn, *args in jobs:
+        fn(*args)
 
 
 def read_runs(fd: int, start: int, stride: int, into: np.ndarray, what: str) -> None:
