@@ -178,6 +178,9 @@ def test_predictor_table_scores_the_stored_predictions():
     assert rows[("gate", "top 2")]["wasted_per_token"] == 1.0
     assert rows[("window 1", "union")]["recall"] == 0  # layer 1 never repeats itself
     assert ("window 1", "top 2") not in rows  # a 1-token window names at most k: its union
+    # the best-ranked half: ridge's first choice is always routed, never a wasted read
+    assert rows[("ridge", "top 1")]["recall"] == 0.5 and rows[("ridge", "top 1")]["covered"] == 0.5
+    assert rows[("ridge", "top 1")]["wasted_per_token"] == 0 and ("window 1", "top 1") not in rows
 
 
 def test_skew():

@@ -525,8 +525,9 @@ def _experts(trace: RoutingTrace, layer: int) -> int:
 
 
 def predictor_table(trace: RoutingTrace, windows: Sequence[int], budget: float) -> dict:
-    """Recall of every predictor at ``top_k`` and ``2 * top_k`` experts (and of each window's
-    whole union), and through the package's LRU at ``budget`` the
+    """Recall of every predictor at ``top_k`` and ``2 * top_k`` experts (the stored predictions
+    also at ``top_k // 2``, each window also as its whole union), and through the package's LRU
+    at ``budget`` the
     misses its reads ahead cover and the reads it wastes, per token (every predicted layer's
     summed). Over the predicted layers and the tokens from ``eval_from``.
 
@@ -557,6 +558,8 @@ def predictor_table(trace: RoutingTrace, windows: Sequence[int], budget: float) 
         if any(s is None for s in per_layer):
             continue
         sizes: List[Tuple[str, Optional[int]]] = [(f"top {k}", k), (f"top {2 * k}", 2 * k)]
+        if not name.startswith("window ") and k >= 2:  # fewer, surer reads ahead
+            sizes.insert(0, (f"top {k // 2}", k // 2))
         if name.startswith("window "):
             n = int(name.split()[1])
             # a window of n tokens names at most n * k experts: larger sets are its union
