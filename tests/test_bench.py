@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -284,3 +285,43 @@ def test_prompt_file_gives_the_benchmark_text_to_start_from(tmp_path, monkeypatc
         == 2
     )
     assert bench_cmd.main([str(demo), "--prompt-file", str(tmp_path / "none"), *common]) == 2
+
+
+@pytest.mark.parametrize("which", ["plain", "converted"])
+@pytest.mark.parametrize("reads", [5, 10**6])
+def test_cold_bandwidth_reads_distinct_whole_experts(tiny_checkpoints, monkeypatch, which, reads):
+    """The I/O bound's rate: each pass reads every byte of ``reads`` distinct experts (all of
+    them when there are fewer) where the layout puts them, once, and nothing else (reads at
+    random offsets overlapped, and bytes the page cache served counted as the disk's)."""
+    from moeflux_mlx.format import readers
+    from moeflux_mlx.io.store import open_store
+
+    src, packed = tiny_checkpoints["qwen3_moe"]
+    path = src if which == "plain" else packed
+    done = []
+    real = readers.read_exact
+    monkeypatch.setattr(
+        readers,
+        "read_exact",
+        lambda fd, at, into, what: (
+            done.append((os.readlink(f"/proc/self/fd/{fd}"), at, len(into))),
+            real(fd, at, into, what),
+        )[1],
+    )
+    dropped = []
+    monkeypatch.setattr(pagecache, "drop_page_cache", lambda files: dropped.append(len(done)))
+    cold, warm = pagecache.read_bandwidth(path, reads=reads, threads=3)
+    assert cold > 0 and warm > 0 and dropped == [0]  # dropped once, before the cold pass
+    store, layout = open_store(path, "pread", threads=1)
+    with store:
+        whole = {
+            (os.readlink(f"/proc/self/fd/{fd}"), start, n)
+            for i, lay in layout.layers.items()
+            for e in range(lay.num_experts)
+            for fd, start, _, n, _ in store.layers[i].pieces(e)
+        }
+        per_expert = len(store.layers[min(layout.layers)].pieces(0))
+    n = min(reads, sum(lay.num_experts for lay in layout.layers.values()))
+    cold_pass, warm_pass = done[: len(done) // 2], done[len(done) // 2 :]
+    assert len(cold_pass) == n * per_expert and sorted(cold_pass) == sorted(warm_pass)
+    assert len(set(cold_pass)) == len(cold_pass) and set(cold_pass) <= whole

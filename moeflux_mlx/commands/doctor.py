@@ -164,46 +164,21 @@ def measure_decode(
 
 
 def disk_bandwidth(path: Path, reads: int = 256, threads: int = 8) -> Tuple[float, float]:
-    """``(cold, warm)`` bytes/s of random expert-sized reads of the model's expert files
+    """``(cold, warm)`` bytes/s of the store's reads of distinct whole experts
     (``benchmark.pagecache.read_bandwidth``). Where the page cache cannot be dropped per file
     (macOS has no ``posix_fadvise``), the cold pass reads with caching off (``F_NOCACHE``)."""
     if hasattr(os, "posix_fadvise"):
         return read_bandwidth(path, reads, threads)
     import fcntl
-    import random
-    from concurrent.futures import ThreadPoolExecutor
 
-    from ..benchmark.pagecache import expert_files
+    def caching(fds: List[int], cold: bool) -> None:
+        for fd in fds:
+            try:
+                fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", 48), int(cold))
+            except OSError:  # not macOS: the "cold" pass may be warm
+                pass
 
-    files = expert_files(path)
-    blob = next(iter(expert_layout(path).layers.values())).blob_size
-    rng = random.Random(0)
-    jobs = []
-    for _ in range(reads):
-        f = rng.choice(files)
-        jobs.append((f, rng.randrange(0, max(1, f.stat().st_size - blob)) // 4096 * 4096))
-    rates = []
-    for nocache in (True, False):
-        fds = {f: os.open(f, os.O_RDONLY) for f in files}
-        try:
-            if nocache:
-                for fd in fds.values():
-                    try:
-                        fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", 48), 1)
-                    except OSError:  # not macOS: the "cold" pass may be warm
-                        pass
-
-            def one(job, fds=fds):
-                return os.preadv(fds[job[0]], [bytearray(blob)], job[1])
-
-            with ThreadPoolExecutor(threads) as pool:
-                t = time.perf_counter()
-                total = sum(pool.map(one, jobs))
-                rates.append(total / (time.perf_counter() - t))
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-    return rates[0], rates[1]
+    return read_bandwidth(path, reads, threads, before_pass=caching)
 
 
 # ---------------------------------------------------------------------------------------------
