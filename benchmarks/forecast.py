@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         f"- machine: {platform.platform()}, {platform.machine()}; MLX {mx.__version__}, device {mx.default_device()}",
         f"- model: `{path}` ({'converted' if is_packed(path) else 'checkpoint'}): {total / 1e6:.1f} MB of experts, "
         f"{len(layout.layers)} MoE layers, top-{k}, {routed / 1e6:.1f} MB of experts routed per token",
-        "- read bandwidth (256 distinct whole experts, 8 threads): "
+        "- read bandwidth (up to 256 distinct whole experts, 8 threads): "
         f"cold {cold_bw / 1e9:.2f} GB/s, warm {warm_bw / 1e9:.2f} GB/s",
         f"- every expert resident: {1 / s_res:.2f} tok/s, {1e3 * compute:.1f} ms/token besides expert reads "
         f"(the forecast's compute term); backend {resident_backend}",

@@ -165,12 +165,17 @@ def test_predictor_table_scores_the_stored_predictions():
         layers=[0, 1],
         num_experts=[8, 8],
         tokens=np.arange(4),
-        predicted={"ridge": perfect, "gate": perfect[::-1]},
+        # ranked: right first, wrong second (its top 1 is right only if read in rank order)
+        predicted={
+            "ridge": perfect,
+            "gate": perfect[::-1],
+            "ranked": np.array([[[4, 6]], [[6, 0]]]),
+        },
         pred_layers=[1],
         eval_from=2,
     )
     table = R.predictor_table(trace, [1], 0.25)
-    assert table["by_layer"] == {"window 1": [0.0], "ridge": [1.0], "gate": [0.0]}
+    assert table["by_layer"] == {"window 1": [0.0], "ridge": [1.0], "gate": [0.0], "ranked": [0.5]}
     rows = {(r["predictor"], r["set"]): r for r in table["rows"]}
     assert rows[("ridge", "top 2")]["recall"] == 1.0 and rows[("gate", "top 2")]["recall"] == 0
     assert rows[("ridge", "top 2")]["covered"] == 1.0  # every miss (all new experts) covered
@@ -178,9 +183,12 @@ def test_predictor_table_scores_the_stored_predictions():
     assert rows[("gate", "top 2")]["wasted_per_token"] == 1.0
     assert rows[("window 1", "union")]["recall"] == 0  # layer 1 never repeats itself
     assert ("window 1", "top 2") not in rows  # a 1-token window names at most k: its union
-    # the best-ranked half: ridge's first choice is always routed, never a wasted read
+    # the best-ranked half: each token's first choice
     assert rows[("ridge", "top 1")]["recall"] == 0.5 and rows[("ridge", "top 1")]["covered"] == 0.5
     assert rows[("ridge", "top 1")]["wasted_per_token"] == 0 and ("window 1", "top 1") not in rows
+    assert rows[("ranked", "top 1")]["recall"] == 0.5 and rows[("gate", "top 1")]["recall"] == 0
+    assert rows[("ranked", "top 1")]["wasted_per_token"] == 0
+    assert rows[("ranked", "top 2")]["wasted_per_token"] == 1.0
 
 
 def test_skew():

@@ -917,6 +917,84 @@ def test_keyboard_interrupt_inside_a_read(ckpt, reference, monkeypatch, budget, 
             assert gen(model) == reference
 
 
+def _small_shares(monkeypatch, ckpt):
+    """A pread store of three read threads whose calls split into shares of a few 4 KiB
+    pieces each (the tiny experts would otherwise make one share), and its layer 0."""
+    from moeflux_mlx.io import store as st
+
+    monkeypatch.setattr(st, "MIN_SHARE_BYTES", 4096)
+    monkeypatch.setattr(st, "READ_PIECE_BYTES", 4096)
+    store, layout = st.open_store(ckpt[1], "pread", threads=3)
+    layer = min(layout.layers)
+    data = np.fromfile(store.layers[layer].path, np.uint8).reshape(
+        layout.layers[layer].num_experts, -1
+    )
+    return store, layer, data
+
+
+def test_a_failed_piece_fails_the_call_after_the_other_shares_finish(ckpt, monkeypatch):
+    from moeflux_mlx.format import readers
+
+    store, layer, data = _small_shares(monkeypatch, ckpt)
+    experts = np.array([0, 1, 2])
+    bad = int(experts[1]) * data.shape[1]  # the first byte of the second expert
+    real = readers.read_exact
+
+    def read_exact(fd, at, into, what):
+        if at == bad:
+            raise ExpertReadError(f"{what}: injected")
+        real(fd, at, into, what)
+
+    monkeypatch.setattr(readers, "read_exact", read_exact)
+    with store:
+        out = np.zeros((3, data.shape[1]), np.uint8)
+        with pytest.raises(ExpertReadError, match="injected"):
+            store.read(layer, experts, out)
+        # the shares that held neither the failed piece nor what followed it in its share
+        assert np.array_equal(out[0], data[0]) and np.array_equal(out[2], data[2])
+        monkeypatch.setattr(readers, "read_exact", real)
+        assert np.array_equal(store.read(layer, experts), data[:3])  # the next call reads again
+
+
+def test_interrupt_stops_the_shares_under_way(ckpt, monkeypatch):
+    """Ctrl-C while a call waits: shares under way stop at their next piece, and none is still
+    writing when the interrupt reaches the caller."""
+    import signal
+    import time
+
+    from moeflux_mlx.format import readers
+
+    store, layer, data = _small_shares(monkeypatch, ckpt)
+    real, reads, running = readers.read_exact, [], []
+
+    timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
+    once = threading.Lock()
+
+    def slow(fd, at, into, what):
+        if once.acquire(blocking=False):
+            timer.start()  # Ctrl-C 50 ms after the first read begins: 2-3 of 7 pieces a share
+        running.append(1)
+        time.sleep(0.02)
+        real(fd, at, into, what)
+        reads.append(at)
+        running.pop()
+
+    monkeypatch.setattr(readers, "read_exact", slow)
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with store:
+            experts = np.arange(3)
+            with pytest.raises(KeyboardInterrupt):
+                store.read(layer, experts, np.zeros((3, data.shape[1]), np.uint8))
+            assert not running  # nothing writes after the call has returned
+            assert len(reads) < 3 * -(-data.shape[1] // 4096)  # not every piece was read
+            monkeypatch.setattr(readers, "read_exact", real)
+            assert np.array_equal(store.read(layer, experts), data[:3])
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, handler)
+
+
 SIGINT_CHILD = """
 import json, os, random, signal, sys, threading, time
 import mlx.core as mx

@@ -12,7 +12,9 @@ a third mode: readahead off while the decode benchmark's ``PageCacheDropper`` dr
 every millisecond beside the reads, as it does during cold runs (does the dropping slow them?).
 ``--shares-ab`` instead compares, batch by batch in turn, the store's reads (a call's bytes in
 equal shares, one per thread) with the queue of pieces it used before, and prints both beside the
-decode benchmark's cold bandwidth (the I/O bound's rate) measured before and after.
+decode benchmark's cold bandwidth (the I/O bound's rate) measured before and after. Since the
+store reads in equal shares (2026-11-27), ``--sweep``'s piece size no longer sets how many
+reads run at once (the thread count does), so its rows are not comparable with earlier sweeps.
 
     python benchmarks/probes/store_read_ab.py [--dir /tmp/moeflux-read-ab] [--rounds 3] [--batches 20]
                                        [--sweep 256:8,512:16,1024:8,2048:8] [--dropper]
@@ -69,12 +71,17 @@ def read_in_pieces(store, layer, experts, out):
 
 def direct_reader(store, layer):
     """Equal shares through a second descriptor opened with ``O_DIRECT`` (no page cache; needs
-    page-aligned offsets, lengths and buffers): is bypassing the cache worth building?"""
+    page-aligned offsets, lengths and buffers): is bypassing the cache worth building?
+    ``(read, fd)``, or ``(None, why)`` where it cannot run here."""
     src = store.layers[layer]
-    fd = os.open(src.path, os.O_RDONLY | os.O_DIRECT)
+    if src.layout.blob_size % st.PAGE_BYTES:
+        return None, f"experts of {src.layout.blob_size} bytes are not whole pages"
+    try:
+        fd = os.open(src.path, os.O_RDONLY | os.O_DIRECT)
+    except (AttributeError, OSError) as e:  # no O_DIRECT (macOS), or a file system without it
+        return None, f"cannot open with O_DIRECT: {e}"
 
     def read(store, layer, experts, out):
-        assert out.ctypes.data % st.PAGE_BYTES == 0 and out.shape[1] % st.PAGE_BYTES == 0
         reads = [(fd, int(e) * out.shape[1], out[i], "direct") for i, e in enumerate(experts)]
         pool = store._executor()
         for f in [pool.submit(st._run_jobs, s) for s in st.balanced_shares(reads, store.threads)]:
@@ -95,11 +102,11 @@ def shares_ab(packed, batches, sizes=(2, 4, 5, 6, 8), threads=8):
     lay = layout.layers[layer]
     rng = random.Random(1)
     direct, direct_fd = direct_reader(store, layer)
-    schemes = {
-        "equal shares (the store)": None,
-        "queue of pieces (before)": read_in_pieces,
-        "equal shares, O_DIRECT": direct,
-    }
+    schemes = {"equal shares (the store)": None, "queue of pieces (before)": read_in_pieces}
+    if direct is None:
+        print(f"O_DIRECT left out: {direct_fd}")
+    else:
+        schemes["equal shares, O_DIRECT"] = direct
     times = {(name, k): [] for k in sizes for name in schemes}
     buf = mmap.mmap(-1, max(sizes) * lay.blob_size)  # page-aligned, for O_DIRECT
     with store:
@@ -108,7 +115,8 @@ def shares_ab(packed, batches, sizes=(2, 4, 5, 6, 8), threads=8):
         for b in range(batches):
             for k in sizes:
                 experts = np.array(sorted(rng.sample(range(lay.num_experts), k)))
-                names = list(schemes)[b % 3 :] + list(schemes)[: b % 3]  # who goes first turns
+                turn = b % len(schemes)
+                names = list(schemes)[turn:] + list(schemes)[:turn]  # who goes first turns
                 for name in names:
                     for fd in fds:
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -119,7 +127,8 @@ def shares_ab(packed, batches, sizes=(2, 4, 5, 6, 8), threads=8):
                         schemes[name](store, layer, experts, out[:k])
                     times[(name, k)].append(time.perf_counter() - t)
         del out
-    os.close(direct_fd)
+    if direct is not None:
+        os.close(direct_fd)
     buf.close()
     after = read_bandwidth(packed)[0] / 1e9
     bound = (before + after) / 2

@@ -110,22 +110,24 @@ def read_bandwidth(
     """The disk's rate for the store's own reads, as one stream: ``reads`` distinct experts (all
     of them when the model has fewer), drawn at random over the MoE layers, each read whole where
     the layout puts it (a converted layer: one read; a plain checkpoint: one per tensor), through
-    the pread store's descriptors (readahead off), ``threads`` at a time.
-
-    No expert is read twice in a pass: reads at random offsets used to overlap, and the bytes the
-    page cache then served were counted as the disk's (on a layer file of 64 experts a quarter
-    of the bytes asked for; cpu2's disk delivered 0.74 of them).
+    the pread store's descriptors (readahead off), ``threads`` at a time. No expert is read twice
+    in a pass: reads at random offsets overlap, and the bytes the page cache then serves would
+    count as the disk's (docs/benchmarks.md, "Cold 25% budget vs the I/O bound").
 
     Args:
-        path: a converted or plain checkpoint.
+        path: a converted or plain checkpoint, as ``io.store.open_store`` opens it.
         reads: how many experts.
         threads: reads at a time.
         seed: which experts.
-        before_pass: called with the descriptors before each pass (``cold`` True, then False);
-            None: the page cache is dropped before the cold pass (``drop_page_cache``).
+        before_pass: called with the descriptors before each timed pass (``cold`` True, then
+            False); None: the page cache is dropped before the cold pass (``drop_page_cache``).
 
     Returns:
-        ``(cold, warm)`` bytes/s: after dropping the page cache, and the same reads again.
+        ``(cold, warm)`` bytes/s: after dropping the page cache (or with ``before_pass``'s
+        caching off), and the same reads again after an untimed pass has cached them.
+
+    Raises:
+        CheckpointError: ``open_store`` cannot open the checkpoint's experts.
     """
     store, layout = open_store(path, "pread", threads=1)
     with store:
@@ -150,6 +152,8 @@ def read_bandwidth(
                     before_pass(fds, cold)
                 elif cold:
                     drop_page_cache(expert_files(path))
+                if not cold:  # what a pass with caching off read is not cached yet
+                    sum(pool.map(one, jobs))
                 t = time.perf_counter()
                 total = sum(pool.map(one, jobs))
                 rates.append(total / (time.perf_counter() - t))

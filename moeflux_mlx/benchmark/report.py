@@ -187,7 +187,7 @@ def write_results(result: dict, out_dir: Path, stem: str) -> List[Path]:
         f"# Decode benchmark: {Path(result['model']).name}",
         "",
         f"Machine: {result['machine']}; MLX {result['mlx']} ({result['device']}).",
-        f"256 distinct experts read whole at random, as the pread store reads them (8 threads): cold "
+        f"Up to 256 distinct experts read whole at random, as the pread store reads them (8 threads): cold "
         f"{result['cold_read_gb_s']:.2f} GB/s, from the page cache "
         f"{result.get('page_cache_read_gb_s', float('nan')):.2f} GB/s. The I/O bound of a cold "
         "run uses its own cold figure (cold GB/s: the mean of the same measurement right before "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
@@ -81,8 +81,9 @@ class ExpertStore:
     Faults: a failed read raises ``ExpertReadError`` from the ``read`` call that needed it (a
     worker's exception is re-raised in the caller, after every other read of that call has
     finished); nothing is cached from a failed call, so the next call simply reads again. An
-    interrupt (``KeyboardInterrupt``) while reads are in flight cancels the queued ones and
-    retires the staging buffer they write into, so a straggler cannot corrupt a later call."""
+    interrupt (``KeyboardInterrupt``) while reads are in flight cancels the shares not begun,
+    stops the others at their next piece and retires the staging buffer they write into, so a
+    straggler cannot corrupt a later call."""
 
     def __init__(self, layers: Dict[int, Source], io_mode: str, threads: int = 8):
         self.layers = layers  # layer -> PackedLayer | SafetensorsLayer | ShardedLayer
@@ -156,7 +157,8 @@ class ExpertStore:
 
     def _read_parallel(self, layer, src, experts, out, staged) -> None:
         pool = self._executor()
-        futures = []
+        futures: List[Future] = []
+        stop = threading.Event()
         try:
             if isinstance(src, ShardedLayer):  # runs of rows: a job per piece, as they come
                 shares = [[job] for i, e in enumerate(experts) for job in src.jobs(e, out[i])]
@@ -169,10 +171,13 @@ class ExpertStore:
                     ],
                     self.threads,
                 )
-            futures = [pool.submit(_run_jobs, share) for share in shares]
+            for share in shares:
+                futures.append(pool.submit(_run_jobs, share, stop))
             errors = [f.exception() for f in futures]  # waits for every read of this call
         except BaseException:
-            # interrupted (KeyboardInterrupt, ...) while reads are in flight
+            # interrupted (KeyboardInterrupt, ...) while reads are in flight: shares not begun
+            # are cancelled, those under way stop at their next piece
+            stop.set()
             for f in futures:
                 f.cancel()
             if staged:
@@ -341,8 +346,11 @@ def balanced_shares(reads: List[tuple], threads: int) -> List[List[tuple]]:
     return shares
 
 
-def _run_jobs(jobs: List[tuple]) -> None:
+def _run_jobs(jobs: List[tuple], stop: Optional[threading.Event] = None) -> None:
+    """One thread's share of a call, in turn; none begins once ``stop`` is set."""
     for fn, *args in jobs:
+        if stop is not None and stop.is_set():
+            return
         fn(*args)
 
 
