@@ -1,7 +1,7 @@
 """Replay recorded routing in another model: real reuse and skew at real expert sizes.
 
 The trained demo model routes like a trained model, but its experts are small (55 kB); a
-full-size random model has real expert sizes (1.77 MB for Qwen3-30B-A3B) but routes at chance.
+full-size random model has real expert sizes (2.65 MB for Qwen3-30B-A3B at 4 bits) but routes at chance.
 ``drive_routing`` joins the two for the decode benchmark: each MoE layer's router is replaced by
 a ``TraceRouter`` that makes the experts a ``RoutingTrace`` recorded (``benchmark.routing``) the
 layer's top-k, position after position, so the cache sees the trained model's I/O pattern at
