@@ -134,7 +134,7 @@ def shares_ab(packed, batches, sizes=(2, 4, 5, 6, 8), threads=8):
     bound = (before + after) / 2
     print(
         f"blob {lay.blob_size} bytes, {threads} threads, {batches} batches each, page cache "
-        f"dropped before each read; cold bandwidth (256 whole-expert reads, 8 threads) "
+        f"dropped before each read; cold bandwidth (read_bandwidth: distinct whole experts, 8 threads) "
         f"{before:.2f} before, {after:.2f} GB/s after"
     )
     print("| experts | scheme | median ms | GB/s | of the cold bandwidth |")

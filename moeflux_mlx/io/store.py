@@ -35,7 +35,7 @@ STAGING_KEEP_BYTES = 256 << 20  # larger reads (prefill) get a buffer of their o
 READ_PIECE_BYTES = 512 << 10
 # A call's reads are dealt to the threads as shares of equal bytes, each read in pieces one after
 # another: with a queue of pieces the last round ran a few pieces deep while other threads sat
-# idle, and a miss batch of a few experts is only two or three rounds. Shares are at least this
+# idle, and a miss batch of a few experts is only a few rounds. Shares are at least this
 # large, so a small read is not cut into pieces the disk serves at a lower rate.
 MIN_SHARE_BYTES = 256 << 10
 PAGE_BYTES = 4096
