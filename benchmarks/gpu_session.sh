@@ -16,8 +16,9 @@
 # ROUTING="bound policy prefetch ops spec prefill dist compare" runs the real-routing parts instead
 # (the others then default to off): the trained demo's routing replayed over Qwen3-30B-A3B-sized
 # experts (64 per layer, 8 layers, converted, pread, 25% cold): the default policy's fraction of
-# the I/O bound BOUND_RUNS times (2) after the store's cold reads of miss-sized batches in equal
-# shares against a queue of pieces (store_read_ab.py --shares-ab); LRU vs the default policy,
+# the I/O bound BOUND_RUNS times (2; BOUND_IO="pread direct" also uncached, in turns) after the
+# store's cold reads of miss-sized batches, its schemes side by side (store_read_ab.py
+# --shares-ab); LRU vs the default policy,
 # prefetch of the trace's recorded ridge / gate predictions, the ops backend's tokens against
 # stock, prompt-lookup speculation and prefill at 25% (benchmarks/speculation.py, prefill.py),
 # two ranks on the one GPU (tests/test_distributed.py, and NCCL), and `compare`'s KL rule.
@@ -90,10 +91,14 @@ if part bound; then  # the store's reads of miss batches, then the default polic
       --batches 8 --rounds 1 > "$OUT/shares_ab.txt" 2>&1
     echo "store reads:"; grep -E "^\||bandwidth|left out" "$OUT/shares_ab.txt"
   fi
+  # BOUND_IO="pread direct": each run reads through the page cache and uncached, in turns
+  read BOUND_IO_A BOUND_IO_B <<< "${BOUND_IO:-pread}"
   for run in $(seq "${BOUND_RUNS:-2}"); do
-    timeout 200 "${ROUTED[@]}" --trace-predictor ridge --prefetch off --no-stock \
-      --machine "bound-$run" --out "$OUT/bound" > "$OUT/bound_$run.txt" 2>&1
-    echo "bound, run $run:"; grep -E "^\| moeflux" "$OUT/bound_$run.txt"
+    for io in $( ((run % 2)) && echo "$BOUND_IO_A ${BOUND_IO_B:-}" || echo "${BOUND_IO_B:-} $BOUND_IO_A"); do
+      timeout 200 "${ROUTED[@]/pread/$io}" --trace-predictor ridge --prefetch off --no-stock \
+        --machine "bound-$io-$run" --out "$OUT/bound" > "$OUT/bound_${io}_$run.txt" 2>&1
+      echo "bound, $io, run $run:"; grep -E "^\| moeflux" "$OUT/bound_${io}_$run.txt"
+    done
   done
 fi
 if part policy; then  # LRU vs the default (decay), same replayed positions, cold

@@ -247,9 +247,7 @@ def decode(
     cache = copy.deepcopy(prefilled)  # every run starts from the same state
     last = mx.array(ids[-1:], mx.uint32)
     dropping = (
-        PageCacheDropper(files)
-        if cold and rt.store.io_mode == "pread"
-        else contextlib.nullcontext()
+        PageCacheDropper(files) if cold and rt.store.io_mode != "mmap" else contextlib.nullcontext()
     )
     if cold:
         drop_page_cache(files)

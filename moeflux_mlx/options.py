@@ -4,10 +4,10 @@ An option given as an argument wins over its ``MOEFLUX_*`` variable, which wins 
 default. This module is the only place that reads the environment for them, and it does so when
 options are resolved (``LoadOptions.resolve``), never at import: a variable set after import
 still counts. Values are read case-insensitively; a bad value (argument or variable) raises
-``OptionError`` naming it, e.g. ``MOEFLUX_EXPERT_IO=banana: expected one of auto, mmap, pread``.
+``OptionError`` naming it, e.g. ``MOEFLUX_EXPERT_IO=banana: expected one of auto, mmap, pread, direct``.
 Plain Python: the miss server process imports it without MLX.
 
-    MOEFLUX_EXPERT_IO            expert_io       auto | mmap | pread
+    MOEFLUX_EXPERT_IO            expert_io       auto | mmap | pread | direct
     MOEFLUX_BACKEND              backend         auto | ops | metal | cuda
     MOEFLUX_DEVICE_TABLE         device_table    0/off/false/no | 1/on/true/yes (unset: where CUDA is)
     MOEFLUX_SLOT_WRITES          slot_writes     host | device (unset: by the device)
@@ -39,7 +39,7 @@ import psutil
 
 from .errors import OptionError
 
-IO_MODES = ("auto", "mmap", "pread")
+IO_MODES = ("auto", "mmap", "pread", "direct")
 BACKENDS = ("auto", "ops", "metal", "cuda")
 SLOT_WRITES = ("host", "device")
 EVICTIONS = ("lru", "lfu", "lfuda", "decay", "s3fifo")  # cache.policy.POLICIES
@@ -146,7 +146,8 @@ class LoadOptions:
 
     Attributes:
         expert_io: ``auto`` (the RAM gate: ``pread`` when the experts exceed 0.75 x RAM, else
-            ``mmap``), ``mmap`` or ``pread``.
+            ``mmap``), ``mmap``, ``pread``, or ``direct`` (``pread`` bypassing the page cache:
+            faster cold reads, no reuse of what the cache held; never chosen by the gate).
         backend: ``auto`` (Metal kernels on Metal, CUDA kernels on CUDA, MLX ops on the CPU),
             ``ops``, ``metal`` or ``cuda``.
         cache_budget: MLX memory for resident experts: bytes, ``"8GB"``, a fraction of RAM,

@@ -828,11 +828,12 @@ def test_short_reads_are_retried(ckpt, reference, monkeypatch, budget):
         restore()
 
 
-def test_truncated_after_load_pread(ckpt, reference, tmp_path):
+@pytest.mark.parametrize("expert_io", ["pread", "direct"])
+def test_truncated_after_load_pread(ckpt, reference, tmp_path, expert_io):
     d = clone(ckpt[1], tmp_path, "dst")
     layer = d / PACKED / "layer_01.bin"
     original = layer.read_bytes()
-    model, _ = moeflux_mlx.load(d, expert_io="pread", cache_budget=0)
+    model, _ = moeflux_mlx.load(d, expert_io=expert_io, cache_budget=0)
     with model.moeflux:
         assert gen(model) == reference
         truncate(layer, len(original) // 3)

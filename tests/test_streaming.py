@@ -4,7 +4,9 @@ Through the plain-MLX-ops backend (``EXACT``): it computes what mlx-lm computes,
 backend. The fused kernels (the default on a GPU) sum in another order, close but not bit for bit
 (test_kernels.py), and on these tiny random models a greedy token can flip on a near tie."""
 
+import errno
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -101,6 +103,59 @@ def test_equals_stock_mlx_lm(tiny_checkpoints, references, arch, source, expert_
         st = rt.stats_dict()
         assert st["io_mode"] == expert_io and st["cache"] == "staging"
         assert st["total"]["experts_read"] > 0 and st["total"]["bytes_read"] > 0
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's")
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("source", ["packed", "plain"])
+@pytest.mark.parametrize("budget", [0, 0.25])
+def test_direct_equals_stock_mlx_lm(tiny_checkpoints, references, arch, source, budget):
+    src, packed = tiny_checkpoints[arch]
+    prompts, want = _stock(references, arch)
+    total = expert_layout(packed).total_expert_bytes
+    model, _ = moeflux_mlx.load(
+        packed if source == "packed" else src,
+        expert_io="direct",
+        cache_budget=int(total * budget),
+        threads=3,
+        **EXACT,
+    )
+    with model.moeflux as rt:
+        files = {fd for s in rt.store.layers.values() for fd in s.file_descriptors().values()}
+        assert set(rt.store._uncached) == files  # every expert file is read uncached
+        _assert_same(_two_turns(model, prompts), want)
+        stats = rt.stats_dict()
+        assert stats["io_mode"] == "direct" and stats["total"]["bytes_read"] > 0
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's")
+def test_files_that_cannot_be_read_uncached_are_read_cached_after_one_warning(
+    tiny_checkpoints,
+    references,
+    monkeypatch,
+    caplog,
+):
+    src, packed = tiny_checkpoints["qwen3_moe"]
+    prompts, want = _stock(references, "qwen3_moe")
+    from moeflux_mlx.io import uncached
+
+    real_open = uncached.os.open
+
+    def no_direct(path, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(uncached.os, "open", no_direct)
+    with caplog.at_level(logging.WARNING, logger="moeflux_mlx.io.store"):
+        model, _ = moeflux_mlx.load(packed, expert_io="direct", cache_budget=0, **EXACT)
+    with model.moeflux as rt:
+        assert not rt.store._uncached
+        _assert_same(_two_turns(model, prompts), want)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "read through the page cache" in warnings[0] and "layer_" in warnings[0]
+    assert "Invalid argument" in warnings[0]
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])

@@ -11,8 +11,10 @@ counts (decode misses ~1 expert per layer at a time: latency, not throughput). `
 a third mode: readahead off while the decode benchmark's ``PageCacheDropper`` drops the files
 every millisecond beside the reads, as it does during cold runs (does the dropping slow them?).
 ``--shares-ab`` instead compares, batch by batch in turn, the store's reads (a call's bytes in
-equal shares, one per thread) with the queue of pieces it used before, and prints both beside the
-decode benchmark's cold bandwidth (the I/O bound's rate) measured before and after. Since the
+equal shares, one per thread; through the page cache and, ``expert_io=direct``, bypassing it)
+with the queue of pieces it used before, with and without ``O_DIRECT`` and at other piece sizes
+and thread counts, and prints them beside the decode benchmark's cold bandwidth (the I/O bound's
+rate, read through the page cache) measured before and after. Since the
 store reads in equal shares (2026-11-27), ``--sweep``'s piece size no longer sets how many
 reads run at once (the thread count does), so its rows are not comparable with earlier sweeps.
 
@@ -55,42 +57,57 @@ def sectors_read(stat):
     return int(stat.read_text().split()[2]) if stat is not None else 0
 
 
-def read_in_pieces(store, layer, experts, out):
-    """The store's pread before equal shares: one job per piece of at most
-    ``READ_PIECE_BYTES`` on the read threads, taken as they come."""
-    src, pool = store.layers[layer], store._executor()
-    futures = [
-        pool.submit(*job)
-        for i, e in enumerate(experts)
-        for fd, start, at, n, what in src.pieces(e)
-        for job in st._chunks(fd, start, out[i, at : at + n], what)
-    ]
-    for f in futures:
-        f.result()
+def scheme_reader(store, layer, piece_kib=512, threads=8, shares=False, direct=False):
+    """A way to read a miss batch besides the store's own: a queue of pieces of ``piece_kib``
+    taken as they come (what the store did before equal shares), or equal shares; on
+    ``threads`` threads; through a second descriptor opened with ``O_DIRECT`` (no page cache;
+    needs page-aligned offsets, lengths and buffers). ``(read, close)``, or ``(None, why)``
+    where it cannot run here."""
+    from concurrent.futures import ThreadPoolExecutor
 
-
-def direct_reader(store, layer):
-    """Equal shares through a second descriptor opened with ``O_DIRECT`` (no page cache; needs
-    page-aligned offsets, lengths and buffers): is bypassing the cache worth building?
-    ``(read, fd)``, or ``(None, why)`` where it cannot run here."""
     src = store.layers[layer]
-    if src.layout.blob_size % st.PAGE_BYTES:
-        return None, f"experts of {src.layout.blob_size} bytes are not whole pages"
-    try:
-        fd = os.open(src.path, os.O_RDONLY | os.O_DIRECT)
-    except (AttributeError, OSError) as e:  # no O_DIRECT (macOS), or a file system without it
-        return None, f"cannot open with O_DIRECT: {e}"
+    fd = src.fd
+    if direct:
+        if src.layout.blob_size % st.PAGE_BYTES:
+            return None, f"experts of {src.layout.blob_size} bytes are not whole pages"
+        try:
+            fd = os.open(src.path, os.O_RDONLY | os.O_DIRECT)
+        except (AttributeError, OSError) as e:  # no O_DIRECT (macOS), or a file system without it
+            return None, f"cannot open with O_DIRECT: {e}"
+    pool = ThreadPoolExecutor(threads)
 
     def read(store, layer, experts, out):
-        reads = [(fd, int(e) * out.shape[1], out[i], "direct") for i, e in enumerate(experts)]
-        pool = store._executor()
-        for f in [pool.submit(st._run_jobs, s) for s in st.balanced_shares(reads, store.threads)]:
+        piece = st.READ_PIECE_BYTES
+        st.READ_PIECE_BYTES = piece_kib << 10
+        try:
+            reads = [(fd, int(e) * out.shape[1], out[i], "ab") for i, e in enumerate(experts)]
+            if shares:
+                jobs = [(st._run_jobs, s) for s in st.balanced_shares(reads, threads)]
+            else:
+                jobs = [j for r in reads for j in st._chunks(*r)]
+        finally:
+            st.READ_PIECE_BYTES = piece
+        for f in [pool.submit(*j) for j in jobs]:
             f.result()
 
-    return read, fd
+    def close():
+        pool.shutdown()
+        if direct:
+            os.close(fd)
+
+    return read, close
 
 
-def shares_ab(packed, batches, sizes=(2, 4, 5, 6, 8), threads=8):
+SCHEMES = {  # name: scheme_reader's arguments (None: a store's own read)
+    "equal shares (the store, pread)": None,
+    "equal shares, uncached (the store, direct)": None,
+    "queue of pieces (before)": {},
+    "queue of pieces, O_DIRECT": {"direct": True},
+    "queue, 256 KiB pieces, 16 threads": {"piece_kib": 256, "threads": 16},
+}
+
+
+def shares_ab(packed, batches, sizes=(2, 4, 6, 8), threads=8):
     """Cold batches of ``sizes`` random experts, each read by every scheme in turn."""
     import mmap
 
@@ -101,12 +118,18 @@ def shares_ab(packed, batches, sizes=(2, 4, 5, 6, 8), threads=8):
     layer = sorted(layout.layers)[0]
     lay = layout.layers[layer]
     rng = random.Random(1)
-    direct, direct_fd = direct_reader(store, layer)
-    schemes = {"equal shares (the store)": None, "queue of pieces (before)": read_in_pieces}
-    if direct is None:
-        print(f"O_DIRECT left out: {direct_fd}")
-    else:
-        schemes["equal shares, O_DIRECT"] = direct
+    direct, _ = st.open_store(packed, "direct", threads=threads)
+    schemes, closers = {}, [direct.close]
+    for name, kw in SCHEMES.items():
+        if kw is None:
+            schemes[name] = store.read if "pread" in name else direct.read
+            continue
+        read, close = scheme_reader(store, layer, **kw)
+        if read is None:
+            print(f"{name} left out: {close}")
+            continue
+        schemes[name] = read
+        closers.append(close)
     times = {(name, k): [] for k in sizes for name in schemes}
     buf = mmap.mmap(-1, max(sizes) * lay.blob_size)  # page-aligned, for O_DIRECT
     with store:
@@ -121,25 +144,25 @@ def shares_ab(packed, batches, sizes=(2, 4, 5, 6, 8), threads=8):
                     for fd in fds:
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                     t = time.perf_counter()
-                    if schemes[name] is None:
-                        store.read(layer, experts, out[:k])
+                    if SCHEMES[name] is None:
+                        schemes[name](layer, experts, out[:k])
                     else:
                         schemes[name](store, layer, experts, out[:k])
                     times[(name, k)].append(time.perf_counter() - t)
         del out
-    if direct is not None:
-        os.close(direct_fd)
+    for close in closers:
+        close()
     buf.close()
     after = read_bandwidth(packed)[0] / 1e9
     bound = (before + after) / 2
     print(
-        f"blob {lay.blob_size} bytes, {threads} threads, {batches} batches each, page cache "
-        f"dropped before each read; cold bandwidth (read_bandwidth: distinct whole experts, 8 threads) "
+        f"blob {lay.blob_size} bytes, {batches} batches each, page cache dropped before each "
+        f"read; cold bandwidth (read_bandwidth: distinct whole experts, 8 threads) "
         f"{before:.2f} before, {after:.2f} GB/s after"
     )
     print("| experts | scheme | median ms | GB/s | of the cold bandwidth |")
     print("|---|---|---|---|---|")
-    for (name, k), v in times.items():
+    for (name, k), v in sorted(times.items(), key=lambda kv: kv[0][1]):
         ms = statistics.median(v) * 1e3
         rate = k * lay.blob_size / ms / 1e6
         print(f"| {k} | {name} | {ms:.2f} | {rate:.2f} | {rate / bound:.0%} |", flush=True)

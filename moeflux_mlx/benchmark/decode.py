@@ -174,14 +174,16 @@ def _run_moeflux(
     try:
         _time_generation(model, prompt, 4)  # warm-up: kernels of these shapes, allocator, fills
         files = expert_files(path)
-        around = [read_bandwidth(path)[0]] if cold and bandwidth else []
+        # the bound's rate, read the way this run's store reads (uncached for direct)
+        bw_io = "direct" if rt.store.io_mode == "direct" else "pread"
+        around = [read_bandwidth(path, io_mode=bw_io)[0]] if cold and bandwidth else []
         if cold:
             drop_page_cache(files)
         # pread + cold: keep dropping the page cache while decoding, as if the experts were many
         # times RAM (mapped pages cannot be dropped: mmap runs are cold only at their start)
         dropping = (
             PageCacheDropper(files)
-            if cold and rt.store.io_mode == "pread"
+            if cold and rt.store.io_mode != "mmap"
             else contextlib.nullcontext()
         )
         mx.reset_peak_memory()
@@ -192,7 +194,7 @@ def _run_moeflux(
             )
         rt.stats_dict()  # counts what the miss server read, if any
         if around:
-            around.append(read_bandwidth(path)[0])
+            around.append(read_bandwidth(path, io_mode=bw_io)[0])
             bandwidth = sum(around) / len(around)
         t = rt.stats.total()
         n = max(len(tokens) - 1, 1)

@@ -8,12 +8,12 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from ..format import readers
 from ..format.checkpoint import (
     is_packed,
     packed_file,
@@ -21,6 +21,7 @@ from ..format.checkpoint import (
     scan_checkpoint,
 )
 from ..io.store import open_store
+from ..io.uncached import aligned_empty
 
 
 def expert_files(path: Path) -> List[Path]:
@@ -106,13 +107,14 @@ def read_bandwidth(
     threads: int = 8,
     seed: int = 0,
     before_pass: Optional[Callable[[List[int], bool], None]] = None,
+    io_mode: str = "pread",
 ) -> Tuple[float, float]:
     """The disk's rate for the store's own reads, as one stream: ``reads`` distinct experts (all
     of them when the model has fewer), drawn at random over the MoE layers, each read whole where
     the layout puts it (a converted layer: one read; a plain checkpoint: one per tensor), through
-    the pread store's descriptors (readahead off), ``threads`` at a time. No expert is read twice
-    in a pass: reads at random offsets overlap, and the bytes the page cache then serves would
-    count as the disk's (docs/benchmarks.md, "Cold 25% budget vs the I/O bound").
+    the store's descriptors (readahead off; uncached for ``io_mode`` direct), ``threads`` at a
+    time. No expert is read twice in a pass: reads at random offsets overlap, and the bytes the
+    page cache then serves would count as the disk's (docs/benchmarks.md, "Cold 25% budget vs the I/O bound").
 
     Args:
         path: a converted or plain checkpoint, as ``io.store.open_store`` opens it.
@@ -121,6 +123,7 @@ def read_bandwidth(
         seed: which experts.
         before_pass: called with the descriptors before each timed pass (``cold`` True, then
             False); None: the page cache is dropped before the cold pass (``drop_page_cache``).
+        io_mode: ``pread`` or ``direct``, as the store reads (the I/O bound of a run).
 
     Returns:
         ``(cold, warm)`` bytes/s: after dropping the page cache (or with ``before_pass``'s
@@ -129,7 +132,8 @@ def read_bandwidth(
     Raises:
         CheckpointError: ``open_store`` cannot open the checkpoint's experts.
     """
-    store, layout = open_store(path, "pread", threads=1)
+    store, layout = open_store(path, io_mode, threads=1)
+    local = threading.local()
     with store:
         experts = [(i, e) for i, lay in layout.layers.items() for e in range(lay.num_experts)]
         picked = random.Random(seed).sample(experts, min(reads, len(experts)))
@@ -142,7 +146,10 @@ def read_bandwidth(
 
         def one(job) -> int:
             fd, start, n, what = job
-            readers.read_exact(fd, start, memoryview(bytearray(n)), what)
+            buf = getattr(local, "buf", None)
+            if buf is None or len(buf) < n:  # page-aligned, as the store's staging
+                buf = local.buf = aligned_empty(n)
+            store.read_range(fd, start, buf[:n], what)
             return n
 
         rates = []

@@ -44,7 +44,7 @@ DESCRIPTION = (
 
 
 DEFAULT_OUT = Path("moeflux-bench-results")
-IO_CHOICES = ("mmap", "pread")
+IO_CHOICES = ("mmap", "pread", "direct")
 
 
 def _budget_list(text: str) -> List[float]:
@@ -118,8 +118,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--io",
         type=_io_list,
-        default=list(IO_CHOICES),
-        help="I/O modes to run (default: mmap,pread)",
+        default=["mmap", "pread"],
+        help="I/O modes to run, of mmap,pread,direct (default: mmap,pread)",
     )
     p.add_argument("--prefetch", default="both", choices=["off", "on", "both"])
     p.add_argument("--prompt-tokens", type=positive_int, default=128)

@@ -132,7 +132,8 @@ LOAD_OPTIONS = (
             type=lower,
             choices=IO_MODES,
             help="how experts are read from disk: auto (the RAM "
-            "gate: pread when they exceed 0.75 x RAM, else mmap), mmap or pread "
+            "gate: pread when they exceed 0.75 x RAM, else mmap), mmap, pread, or direct "
+            "(pread bypassing the page cache: for experts many times RAM) "
             "(default: $MOEFLUX_EXPERT_IO or auto)",
         ),
     ),

@@ -150,7 +150,7 @@ def measure_decode(
         run(4)  # warm-up: kernels of these shapes, allocator, whole-layer fills
         dropping = (
             PageCacheDropper(expert_files(path))
-            if cold and rt.store.io_mode == "pread"
+            if cold and rt.store.io_mode != "mmap"
             else contextlib.nullcontext()
         )
         with dropping:

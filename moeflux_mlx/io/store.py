@@ -1,9 +1,11 @@
 """The expert store: reads the blobs of routed experts from disk into host memory.
 
 The sources of each layer's bytes are ``format.readers``' ``PackedLayer`` / ``SafetensorsLayer``.
-Two I/O modes read them: ``pread`` into reusable staging buffers, a call's bytes dealt in equal
-shares to a thread pool (the GIL is released while the kernel copies), or copies out of an
-``mmap`` of the same files; the RAM gate (``select_expert_io``) chooses between them.
+Three I/O modes read them: ``pread`` into reusable staging buffers, a call's bytes dealt in equal
+shares to a thread pool (the GIL is released while the kernel copies); ``direct``, the same reads
+bypassing the page cache (``uncached``); or copies out of an ``mmap`` of the same files. The RAM
+gate (``select_expert_io``) chooses between ``pread`` and ``mmap``; ``direct`` is only chosen by
+the user.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..format.layout import ExpertLayout, ExpertShard, ModelLayout, Span
 from ..format.readers import LayerSource, PackedLayer, SafetensorsLayer, advise_random_reads
 from ..format.safetensors import TensorRange
 from ..options import IO_MODES, from_environment
+from .uncached import UncachedFile, aligned_empty, open_uncached
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +91,42 @@ class ExpertStore:
     def __init__(self, layers: Dict[int, Source], io_mode: str, threads: int = 8):
         self.layers = layers  # layer -> PackedLayer | SafetensorsLayer | ShardedLayer
         self.io_mode = io_mode
-        if io_mode == "pread":  # scattered reads of pieces (mmap keeps readahead: warm reuse)
+        if io_mode != "mmap":  # scattered reads of pieces (mmap keeps readahead: warm reuse)
             for src in layers.values():
                 for path, fd in src.file_descriptors().items():
                     advise_random_reads(fd, f"{path} (layer {src.layer})")
+        # direct: each expert file's uncached descriptor, by its ordinary one; written here only
+        self._uncached: Dict[int, UncachedFile] = {}
+        if io_mode == "direct":
+            self._open_uncached()
         self.threads = threads
         self._pool: Optional[ThreadPoolExecutor] = None
         self._staging: Optional[np.ndarray] = None
         self._lock = threading.Lock()
         self.closed = False
+
+    def _open_uncached(self) -> None:
+        cached: List[str] = []
+        for src in self.layers.values():
+            if isinstance(src, ShardedLayer):  # runs of rows: read through the page cache
+                cached += [f"{p}: a part of each expert" for p in src.file_descriptors()]
+                continue
+            for path, fd in src.file_descriptors().items():
+                if fd in self._uncached:
+                    continue
+                got, why = open_uncached(path, fd)
+                if got is None:
+                    cached.append(f"{path}: {why}")
+                else:
+                    self._uncached[fd] = got
+        if cached:
+            log.warning(
+                "expert I/O direct: %d expert file(s) are read through the page cache instead "
+                "(%s%s)",
+                len(cached),
+                cached[0],
+                ", ..." if len(cached) > 1 else "",
+            )
 
     def _source(self, layer: int):
         try:
@@ -133,9 +163,9 @@ class ExpertStore:
         size = self.layout(layer).blob_size
         nbytes = max(n, 1) * size
         if nbytes > STAGING_KEEP_BYTES:
-            return np.empty((n, size), np.uint8)
+            return aligned_empty(n * size).reshape(n, size)
         if self._staging is None or self._staging.size < nbytes:
-            self._staging = np.empty(nbytes, np.uint8)
+            self._staging = aligned_empty(nbytes)  # whole pages: uncached reads go in place
         return self._staging[: n * size].reshape(n, size)
 
     def read(self, layer: int, experts: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
@@ -149,11 +179,32 @@ class ExpertStore:
             out = self.staging(layer, len(experts))
         if self.io_mode == "mmap":
             src.read_mmap(experts, out)
-        elif self.threads <= 1 or (len(experts) == 1 and out.shape[1] <= READ_PIECE_BYTES):
+        elif not self._uncached and (
+            self.threads <= 1 or (len(experts) == 1 and out.shape[1] <= READ_PIECE_BYTES)
+        ):
             src.read_pread(experts, out)
         else:
             self._read_parallel(layer, src, experts, out, staged)
         return out
+
+    def read_range(self, fd: int, start: int, into: np.ndarray, what: str) -> None:
+        """One contiguous range of an expert file as this store's reads go (uncached in
+        ``direct`` mode), in the calling thread.
+
+        Args:
+            fd: the file's descriptor, as the layer's ``pieces`` name it.
+            start: the file offset.
+            into: a 1-d contiguous uint8 array to fill.
+            what: names the file, layer and expert in an error.
+
+        Raises:
+            ExpertReadError: the read failed or the file ends first.
+        """
+        reader = self._uncached.get(fd)
+        if reader is not None:
+            reader.read(start, into, what)
+        else:
+            readers.read_exact(fd, start, memoryview(into), what)
 
     def _read_parallel(self, layer, src, experts, out, staged) -> None:
         pool = self._executor()
@@ -165,7 +216,7 @@ class ExpertStore:
             else:
                 shares = balanced_shares(
                     [
-                        (fd, start, out[i, at : at + n], what)
+                        (self._uncached.get(fd, fd), start, out[i, at : at + n], what)
                         for i, e in enumerate(experts)
                         for fd, start, at, n, what in src.pieces(e)
                     ],
@@ -234,6 +285,8 @@ class ExpertStore:
             pool.shutdown(wait=True, cancel_futures=True)
         for src in self.layers.values():
             src.close()
+        for f in self._uncached.values():
+            f.close()
         self._staging = None
 
     def __enter__(self):
@@ -256,7 +309,8 @@ def open_store(
 
     Args:
         path: the model directory.
-        io_mode: ``auto`` (the RAM gate), ``mmap`` or ``pread``; None: ``MOEFLUX_EXPERT_IO`` or auto.
+        io_mode: ``auto`` (the RAM gate), ``mmap``, ``pread`` or ``direct``; None:
+            ``MOEFLUX_EXPERT_IO`` or auto.
         threads: parallel reads of the ``pread`` store.
         shards: one process's share of a distributed model: only these layers are opened, each
             whole (None) or a part of every expert (``ExpertLayout.shard``); the RAM gate and the
@@ -302,10 +356,15 @@ def open_store(
     return ExpertStore(layers, mode, threads), model_layout
 
 
-def _chunks(fd: int, start: int, into: np.ndarray, what: str) -> List[tuple]:
-    """``read_exact`` jobs for the contiguous bytes at ``start`` that fill ``into``, in pieces
-    of at most ``READ_PIECE_BYTES`` (for the read threads)."""
+def _chunks(fd: Union[int, UncachedFile], start: int, into: np.ndarray, what: str) -> List[tuple]:
+    """Read jobs for the contiguous bytes at ``start`` of a file (a descriptor, or its uncached
+    reader) that fill ``into``, in pieces of at most ``READ_PIECE_BYTES`` (for the read threads)."""
     n = len(into)
+    if isinstance(fd, UncachedFile):
+        return [
+            (fd.read, start + off, into[off : off + READ_PIECE_BYTES], what)
+            for off in range(0, n, READ_PIECE_BYTES)
+        ]
     return [
         (readers.read_exact, fd, start + off, memoryview(into[off : off + READ_PIECE_BYTES]), what)
         for off in range(0, n, READ_PIECE_BYTES)
@@ -319,7 +378,8 @@ def balanced_shares(reads: List[tuple], threads: int) -> List[List[tuple]]:
     read may be split between two shares.
 
     Args:
-        reads: ``(fd, file offset, 1-d uint8 array to fill, what)`` per contiguous read.
+        reads: ``(fd, file offset, 1-d uint8 array to fill, what)`` per contiguous read; ``fd``
+            may be an ``UncachedFile``.
         threads: the read threads.
 
     Returns:

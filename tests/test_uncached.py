@@ -1,0 +1,164 @@
+"""``expert_io=direct``: the pread store's reads bypassing the page cache (``io.uncached``).
+
+The bytes are the pread store's, bit for bit, in place or through a bounce buffer; the pages read
+uncached do not enter the page cache (checked with ``mincore``); a truncated file fails clearly.
+The model through ``direct`` against stock mlx-lm, and the fallback to cached reads where a file
+cannot be read uncached: test_streaming.py."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import mmap
+import os
+
+import numpy as np
+import pytest
+
+from moeflux_mlx.errors import ExpertReadError
+from moeflux_mlx.io import store as st
+from moeflux_mlx.io import uncached
+from moeflux_mlx.io.uncached import ALIGN, aligned_empty, open_uncached
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's (macOS uses F_NOCACHE, not run here)"
+)
+
+
+def _drop(fd):
+    os.fsync(fd)  # dirty pages cannot be dropped
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _resident_pages(path) -> np.ndarray:
+    """Which of ``path``'s pages are in the page cache (``mincore`` on a map of it)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+        view = np.frombuffer(m, np.uint8)
+        addr = view.ctypes.data
+        pages = -(-size // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) != 0:
+            pytest.skip(f"mincore failed: {os.strerror(ctypes.get_errno())}")
+        del view
+    return np.frombuffer(vec, np.uint8) & 1
+
+
+@pytest.fixture
+def blob_file(tmp_path):
+    path = tmp_path / "experts.bin"
+    data = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    reader, why = open_uncached(path, fd)
+    if reader is None:
+        os.close(fd)
+        pytest.skip(f"{tmp_path}: {why}")
+    yield path, data, fd, reader
+    reader.close()
+    os.close(fd)
+
+
+# (file offset, length, where the range starts in the buffer): in place, pages only; in place
+# with partial first and last pages; a buffer at another offset within a page than the file
+# (bounced), longer than one bounce step; a range inside one page
+RANGES = {
+    "in place": (2 * ALIGN, 5 * ALIGN, 0),
+    "partial pages": (ALIGN + 100, 9 * ALIGN + 7, 100),
+    "bounced": (3 * ALIGN + 64, (1 << 20) + 3 * ALIGN + 5, 0),
+    "one page": (123, 500, 123),
+}
+
+
+@pytest.mark.parametrize("case", list(RANGES))
+def test_uncached_reads_are_exact_and_bypass_the_page_cache(blob_file, case):
+    path, data, fd, reader = blob_file
+    start, n, at = RANGES[case]
+    _drop(fd)
+    buf = aligned_empty(n + 2 * ALIGN)
+    buf[:] = 0xA5
+    reader.read(start, buf[at : at + n], "test")
+    assert np.array_equal(buf[at : at + n], data[start : start + n])
+    assert (buf[:at] == 0xA5).all() and (buf[at + n :] == 0xA5).all()  # nothing else written
+    resident = _resident_pages(path)
+    body = resident[-(-start // ALIGN) : (start + n) // ALIGN]  # whole pages of the range
+    if case != "one page":
+        assert body.size and not body.any(), f"{int(body.sum())} of {body.size} pages cached"
+    # at most the partial first and last pages went through the cache
+    assert resident.sum() <= 2
+
+
+def test_memory_the_kernel_refuses_is_read_through_the_bounce_buffer(blob_file, monkeypatch):
+    """O_DIRECT into memory it cannot pin (CUDA managed memory) fails with EFAULT: bounced."""
+    path, data, fd, reader = blob_file
+    real, calls = uncached._read_direct, []
+
+    def refuse_in_place(fd_, into, offset, need, what):
+        calls.append(into.ctypes.data)
+        if len(calls) == 1:
+            raise OSError(errno.EFAULT, "Bad address")
+        return real(fd_, into, offset, need, what)
+
+    monkeypatch.setattr(uncached, "_read_direct", refuse_in_place)
+    buf = aligned_empty(8 * ALIGN)
+    reader.read(ALIGN, buf, "test")
+    assert np.array_equal(buf, data[ALIGN : 9 * ALIGN]) and len(calls) >= 2
+
+
+def test_a_truncated_file_fails_clearly(blob_file):
+    path, data, fd, reader = blob_file
+    os.truncate(path, 2 * ALIGN + 10)
+    for start, n in ((ALIGN, 4 * ALIGN), (3 * ALIGN, ALIGN)):
+        with pytest.raises(ExpertReadError, match=r"experts\.bin.*short read"):
+            reader.read(start, aligned_empty(n), f"{path} (expert 3)")
+
+
+def test_store_reads_equal_pread(tiny_checkpoints):
+    """Every expert of every layer, one at a time and in batches, into staging and into a buffer
+    at an odd address: the same bytes as the pread store."""
+    src, packed = tiny_checkpoints["qwen3_moe"]
+    for path in (packed, src):
+        direct, layout = st.open_store(path, "direct", threads=3)
+        pread, _ = st.open_store(path, "pread", threads=1)
+        with direct, pread:
+            for i, lay in layout.layers.items():
+                every = np.arange(lay.num_experts)
+                want = pread.read(i, every).copy()
+                assert np.array_equal(direct.read(i, every), want)
+                assert np.array_equal(direct.read(i, every[:1]), want[:1])
+                odd = np.empty(lay.num_experts * lay.blob_size + 1, np.uint8)[1:]
+                out = odd.reshape(lay.num_experts, lay.blob_size)
+                direct.read(i, every, out)
+                assert np.array_equal(out, want)
+
+
+def test_direct_is_never_chosen_by_the_ram_gate(monkeypatch):
+    monkeypatch.delenv("MOEFLUX_EXPERT_IO", raising=False)
+    assert st.select_expert_io(1 << 62) == "pread"
+    monkeypatch.setenv("MOEFLUX_EXPERT_IO", "direct")
+    assert st.select_expert_io(10) == "direct"
+
+
+def test_the_bound_of_a_direct_run_reads_uncached(tiny_checkpoints):
+    """``read_bandwidth(io_mode="direct")`` reads as the direct store does: only the partial
+    pages at the ends of experts read in place (here every fourth expert of 6.75 pages starts on
+    a page) go through the cache; the pread store's reads cache every page."""
+    from moeflux_mlx.benchmark.pagecache import expert_files, read_bandwidth
+
+    _, packed = tiny_checkpoints["qwen3_moe"]
+    files = expert_files(packed)
+    pages = sum(-(-os.path.getsize(p) // ALIGN) for p in files)
+
+    def resident_after(**kw):
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            _drop(fd)
+            os.close(fd)
+        cold, _ = read_bandwidth(packed, reads=1 << 20, threads=3, **kw)
+        assert cold > 0
+        return sum(int(_resident_pages(p).sum()) for p in files)
+
+    assert 0 < resident_after(io_mode="direct") < pages // 10
+    assert resident_after() == pages
