@@ -169,8 +169,8 @@ def test_max_tokens_zero_is_a_usage_error(command, models):
     "var,value,command,expected",
     [
         ("MOEFLUX_BACKEND", "banana", "generate", "expected one of auto, ops, metal, cuda"),
-        ("MOEFLUX_EXPERT_IO", "banana", "info", "expected one of auto, mmap, pread"),
-        ("MOEFLUX_EXPERT_IO", "banana", "generate", "expected one of auto, mmap, pread"),
+        ("MOEFLUX_EXPERT_IO", "banana", "info", "expected one of auto, mmap, pread, direct"),
+        ("MOEFLUX_EXPERT_IO", "banana", "generate", "expected one of auto, mmap, pread, direct"),
         ("MOEFLUX_DEVICE_TABLE", "maybe", "generate", "expected one of 1, on, true"),
         ("MOEFLUX_SLOT_WRITES", "gpu", "info", "expected one of host, device"),
         ("MOEFLUX_WAIT_TIMEOUT_S", "soon", "info", "expected a number > 0"),
@@ -421,7 +421,7 @@ def test_bench_default_output_folder_no_overwrite_and_no_plot_said(models, tmp_p
     [
         (["--budgets", "1,2"], "--budgets: 2 is not a fraction in [0, 1]"),
         (["--budgets", "half"], "--budgets: 'half' is not a number"),
-        (["--io", "mmap,disk"], "--io: 'disk': expected a list of mmap, pread"),
+        (["--io", "mmap,disk"], "--io: 'disk': expected a list of mmap, pread, direct"),
         (["--repeats", "0"], "--repeats: expected a whole number >= 1"),
         (["--decode-tokens", "0"], "--decode-tokens: expected a whole number >= 1"),
         (["--set", "oops"], "--set wants KEY=VALUE"),
