@@ -292,18 +292,34 @@ def _file_of(fd):
     return st.st_dev, st.st_ino
 
 
+def _bytes_of(reads):
+    """``{file: sorted [start, end) ranges}`` of ``(file, start, n)`` reads, touching ranges merged,
+    and whether any byte was read twice."""
+    spans, twice = {}, False
+    for f, start, n in sorted(reads):
+        mine = spans.setdefault(f, [])
+        if mine and start < mine[-1][1]:
+            twice = True
+        if mine and start <= mine[-1][1]:
+            mine[-1][1] = max(mine[-1][1], start + n)
+        else:
+            mine.append([start, start + n])
+    return spans, twice
+
+
 @pytest.mark.parametrize("which", ["plain", "converted"])
 @pytest.mark.parametrize("reads", [5, 10**6])
 def test_cold_bandwidth_reads_distinct_whole_experts(tiny_checkpoints, monkeypatch, which, reads):
     """The I/O bound's rate: each pass reads every byte of ``reads`` distinct experts (all of
     them when there are fewer) where the layout puts them, once, and nothing else (reads at
-    random offsets overlapped, and bytes the page cache served counted as the disk's)."""
+    random offsets overlapped, and bytes the page cache served counted as the disk's), through
+    the store, one call per layer."""
     from moeflux_mlx.format import readers
-    from moeflux_mlx.io.store import open_store
+    from moeflux_mlx.io.store import ExpertStore, open_store
 
     src, packed = tiny_checkpoints["qwen3_moe"]
     path = src if which == "plain" else packed
-    done = []
+    done, calls = [], []
     real = readers.read_exact
     monkeypatch.setattr(
         readers,
@@ -313,23 +329,44 @@ def test_cold_bandwidth_reads_distinct_whole_experts(tiny_checkpoints, monkeypat
             real(fd, at, into, what),
         )[1],
     )
+    real_read = ExpertStore.read
+    monkeypatch.setattr(
+        ExpertStore,
+        "read",
+        lambda self, layer, ex, out=None: (
+            calls.append((layer, len(ex), len(done))),
+            real_read(self, layer, ex, out),
+        )[1],
+    )
     dropped = []
     monkeypatch.setattr(pagecache, "drop_page_cache", lambda files: dropped.append(len(done)))
     cold, warm = pagecache.read_bandwidth(path, reads=reads, threads=3)
     assert cold > 0 and warm > 0 and dropped == [0]  # dropped once, before the cold pass
     store, layout = open_store(path, "pread", threads=1)
     with store:
-        whole = {
-            (_file_of(fd), start, n)
+        expert_bytes = {
+            (i, e): {(_file_of(fd), start, n) for fd, start, _, n, _ in store.layers[i].pieces(e)}
             for i, lay in layout.layers.items()
             for e in range(lay.num_experts)
-            for fd, start, _, n, _ in store.layers[i].pieces(e)
         }
-        per_expert = len(store.layers[min(layout.layers)].pieces(0))
-    n = min(reads, sum(lay.num_experts for lay in layout.layers.values()))
+    n = min(reads, len(expert_bytes))
     # the cold pass, an untimed one that caches what it read, then the warm pass
-    third = len(done) // 3
-    cold_pass, priming, warm_pass = done[:third], done[third : 2 * third], done[2 * third :]
-    assert len(cold_pass) == n * per_expert and len(done) == 3 * third
-    assert sorted(cold_pass) == sorted(priming) == sorted(warm_pass)
-    assert len(set(cold_pass)) == len(cold_pass) and set(cold_pass) <= whole
+    per_pass = len(calls) // 3
+    assert len(calls) == 3 * per_pass and len({layer for layer, _, _ in calls}) == per_pass
+    starts = [calls[k * per_pass][2] for k in range(3)] + [len(done)]
+    passes = [done[starts[k] : starts[k + 1]] for k in range(3)]
+    assert _bytes_of(passes[0]) == _bytes_of(passes[1]) == _bytes_of(passes[2])
+    spans, twice = _bytes_of(passes[0])
+    assert not twice
+    # exactly the bytes of n whole experts
+    covered = [
+        key
+        for key, pieces in expert_bytes.items()
+        if all(
+            any(a <= start and start + size <= b for a, b in spans.get(f, []))
+            for f, start, size in pieces
+        )
+    ]
+    assert len(covered) == n
+    read = sum(b - a for mine in spans.values() for a, b in mine)
+    assert read == sum(size for key in covered for _, _, size in expert_bytes[key])

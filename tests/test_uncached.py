@@ -143,8 +143,9 @@ def test_direct_is_never_chosen_by_the_ram_gate(monkeypatch):
 
 def test_the_bound_of_a_direct_run_reads_uncached(tiny_checkpoints):
     """``read_bandwidth(io_mode="direct")`` reads as the direct store does: only the partial
-    pages at the ends of experts read in place (here every fourth expert of 6.75 pages starts on
-    a page) go through the cache; the pread store's reads cache every page."""
+    pages at the ends of ranges read in place (experts of 6.75 pages: a row of the staging lies
+    at the same offset within a page as its expert in the file for one pair in four) go through
+    the cache; the pread store's reads cache every page."""
     from moeflux_mlx.benchmark.pagecache import expert_files, read_bandwidth
 
     _, packed = tiny_checkpoints["qwen3_moe"]
@@ -160,5 +161,5 @@ def test_the_bound_of_a_direct_run_reads_uncached(tiny_checkpoints):
         assert cold > 0
         return sum(int(_resident_pages(p).sum()) for p in files)
 
-    assert 0 < resident_after(io_mode="direct") < pages // 10
+    assert 0 < resident_after(io_mode="direct") < pages // 4
     assert resident_after() == pages

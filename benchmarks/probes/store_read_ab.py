@@ -14,7 +14,7 @@ every millisecond beside the reads, as it does during cold runs (does the droppi
 equal shares, one per thread; through the page cache and, ``expert_io=direct``, bypassing it)
 with the queue of pieces it used before, with and without ``O_DIRECT`` and at other piece sizes
 and thread counts, and prints them beside the decode benchmark's cold bandwidth (the I/O bound's
-rate, read through the page cache) measured before and after. Since the
+rate) measured before and after. Since the
 store reads in equal shares (2026-11-27), ``--sweep``'s piece size no longer sets how many
 reads run at once (the thread count does), so its rows are not comparable with earlier sweeps.
 
@@ -111,9 +111,9 @@ def shares_ab(packed, batches, sizes=(2, 4, 6, 8), threads=8):
     """Cold batches of ``sizes`` random experts, each read by every scheme in turn."""
     import mmap
 
-    from moeflux_mlx.benchmark.pagecache import read_bandwidth
+    from moeflux_mlx.benchmark.pagecache import cold_bandwidth
 
-    before = read_bandwidth(packed)[0] / 1e9
+    before = cold_bandwidth(packed) / 1e9
     store, layout = st.open_store(packed, "pread", threads=threads)
     layer = sorted(layout.layers)[0]
     lay = layout.layers[layer]
@@ -153,11 +153,12 @@ def shares_ab(packed, batches, sizes=(2, 4, 6, 8), threads=8):
     for close in closers:
         close()
     buf.close()
-    after = read_bandwidth(packed)[0] / 1e9
+    after = cold_bandwidth(packed) / 1e9
     bound = (before + after) / 2
     print(
         f"blob {lay.blob_size} bytes, {batches} batches each, page cache dropped before each "
-        f"read; cold bandwidth (read_bandwidth: distinct whole experts, 8 threads) "
+        f"read; cold bandwidth (cold_bandwidth: the store's calls of up to 32 distinct experts, "
+        f"the faster of pread and direct) "
         f"{before:.2f} before, {after:.2f} GB/s after"
     )
     print("| experts | scheme | median ms | GB/s | of the cold bandwidth |")

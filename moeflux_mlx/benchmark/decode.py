@@ -26,7 +26,13 @@ from ..format.checkpoint import expert_layout, is_packed
 from ..model.load import load
 from ..model.runtime import use_table
 from ..options import LoadOptions
-from .pagecache import PageCacheDropper, drop_page_cache, expert_files, read_bandwidth
+from .pagecache import (
+    PageCacheDropper,
+    cold_bandwidth,
+    drop_page_cache,
+    expert_files,
+    read_bandwidth,
+)
 from .report import CEILING, machine_name
 
 log = logging.getLogger(__name__)
@@ -174,9 +180,7 @@ def _run_moeflux(
     try:
         _time_generation(model, prompt, 4)  # warm-up: kernels of these shapes, allocator, fills
         files = expert_files(path)
-        # the bound's rate, read the way this run's store reads (uncached for direct)
-        bw_io = "direct" if rt.store.io_mode == "direct" else "pread"
-        around = [read_bandwidth(path, io_mode=bw_io)[0]] if cold and bandwidth else []
+        around = [cold_bandwidth(path)] if cold and bandwidth else []
         if cold:
             drop_page_cache(files)
         # pread + cold: keep dropping the page cache while decoding, as if the experts were many
@@ -194,7 +198,7 @@ def _run_moeflux(
             )
         rt.stats_dict()  # counts what the miss server read, if any
         if around:
-            around.append(read_bandwidth(path, io_mode=bw_io)[0])
+            around.append(cold_bandwidth(path))
             bandwidth = sum(around) / len(around)
         t = rt.stats.total()
         n = max(len(tokens) - 1, 1)
@@ -397,7 +401,8 @@ def run_benchmark(
         prompt = mx.random.randint(0, 256, (prompt_tokens,)).astype(mx.uint32)
     else:
         prompt = mx.array(list(prompt)[:prompt_tokens], dtype=mx.uint32)
-    bandwidth, warm_bandwidth = read_bandwidth(path)
+    warm_bandwidth = read_bandwidth(path)[1]
+    bandwidth = cold_bandwidth(path)
     runs, failures = [], []
     stock_path = Path(stock_path or path)
     if stock and not is_packed(stock_path) and fits_for_stock(stock_path):

@@ -8,11 +8,11 @@ import os
 import random
 import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from ..format.checkpoint import (
     is_packed,
@@ -21,7 +21,6 @@ from ..format.checkpoint import (
     scan_checkpoint,
 )
 from ..io.store import open_store
-from ..io.uncached import aligned_empty
 
 
 def expert_files(path: Path) -> List[Path]:
@@ -101,6 +100,11 @@ class PageCacheDropper:
         self.drops = int(out.split()[-1])
 
 
+# the most experts of one layer that one store call reads when measuring the disk's rate: a miss
+# batch many experts deep (a decode's batch is a few), within the store's kept staging
+BANDWIDTH_BATCH = 32
+
+
 def read_bandwidth(
     path: Path,
     reads: int = 256,
@@ -110,20 +114,21 @@ def read_bandwidth(
     io_mode: str = "pread",
 ) -> Tuple[float, float]:
     """The disk's rate for the store's own reads, as one stream: ``reads`` distinct experts (all
-    of them when the model has fewer), drawn at random over the MoE layers, each read whole where
-    the layout puts it (a converted layer: one read; a plain checkpoint: one per tensor), through
-    the store's descriptors (readahead off; uncached for ``io_mode`` direct), ``threads`` at a
-    time. No expert is read twice in a pass: reads at random offsets overlap, and the bytes the
-    page cache then serves would count as the disk's (docs/benchmarks.md, "Cold 25% budget vs the I/O bound").
+    of them when the model has fewer), drawn at random over the MoE layers, read by the store
+    (``io_mode``, ``threads`` read threads, readahead off) one call per layer for up to
+    ``BANDWIDTH_BATCH`` of them: the reads of a miss batch, but many experts deep, so that the
+    disk always has work queued. No expert is read twice in a pass: reads at random offsets
+    overlap, and the bytes the page cache then serves would count as the disk's
+    (docs/benchmarks.md, "Cold 25% budget vs the I/O bound").
 
     Args:
         path: a converted or plain checkpoint, as ``io.store.open_store`` opens it.
         reads: how many experts.
-        threads: reads at a time.
+        threads: the store's read threads.
         seed: which experts.
         before_pass: called with the descriptors before each timed pass (``cold`` True, then
             False); None: the page cache is dropped before the cold pass (``drop_page_cache``).
-        io_mode: ``pread`` or ``direct``, as the store reads (the I/O bound of a run).
+        io_mode: ``pread``, or ``direct`` (uncached: every pass is cold).
 
     Returns:
         ``(cold, warm)`` bytes/s: after dropping the page cache (or with ``before_pass``'s
@@ -132,36 +137,39 @@ def read_bandwidth(
     Raises:
         CheckpointError: ``open_store`` cannot open the checkpoint's experts.
     """
-    store, layout = open_store(path, io_mode, threads=1)
-    local = threading.local()
+    store, layout = open_store(path, io_mode, threads=threads)
     with store:
         experts = [(i, e) for i, lay in layout.layers.items() for e in range(lay.num_experts)]
         picked = random.Random(seed).sample(experts, min(reads, len(experts)))
-        jobs = [
-            (fd, start, n, what)
-            for i, e in picked
-            for fd, start, _, n, what in store.layers[i].pieces(e)
-        ]
-        fds = sorted({job[0] for job in jobs})
+        calls = []
+        for i in sorted({i for i, _ in picked}):
+            mine = sorted(e for j, e in picked if j == i)
+            for at in range(0, len(mine), BANDWIDTH_BATCH):
+                calls.append((i, np.array(mine[at : at + BANDWIDTH_BATCH])))
+        random.Random(seed).shuffle(calls)
+        total = sum(len(ex) * layout.layers[i].blob_size for i, ex in calls)
+        fds = sorted({fd for i, _ in calls for fd in store.layers[i].file_descriptors().values()})
 
-        def one(job) -> int:
-            fd, start, n, what = job
-            buf = getattr(local, "buf", None)
-            if buf is None or len(buf) < n:  # page-aligned, as the store's staging
-                buf = local.buf = aligned_empty(n)
-            store.read_range(fd, start, buf[:n], what)
-            return n
+        def one_pass() -> None:
+            for i, ex in calls:
+                store.read(i, ex)
 
         rates = []
-        with ThreadPoolExecutor(threads) as pool:
-            for cold in (True, False):
-                if before_pass is not None:
-                    before_pass(fds, cold)
-                elif cold:
-                    drop_page_cache(expert_files(path))
-                if not cold:  # what a pass with caching off read is not cached yet
-                    sum(pool.map(one, jobs))
-                t = time.perf_counter()
-                total = sum(pool.map(one, jobs))
-                rates.append(total / (time.perf_counter() - t))
+        for cold in (True, False):
+            if before_pass is not None:
+                before_pass(fds, cold)
+            elif cold:
+                drop_page_cache(expert_files(path))
+            if not cold:  # what a pass with caching off read is not cached yet
+                one_pass()
+            t = time.perf_counter()
+            one_pass()
+            rates.append(total / (time.perf_counter() - t))
     return rates[0], rates[1]
+
+
+def cold_bandwidth(path: Path, threads: int = 8) -> float:
+    """The I/O bound's rate: the faster of the store's cold reads through the page cache and
+    uncached (``read_bandwidth``, ``pread`` and ``direct``), bytes/s. Either way can be the
+    faster on a given disk, and a decode through one must not beat the bound by the other."""
+    return max(read_bandwidth(path, threads=threads, io_mode=m)[0] for m in ("pread", "direct"))

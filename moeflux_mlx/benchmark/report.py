@@ -187,12 +187,13 @@ def write_results(result: dict, out_dir: Path, stem: str) -> List[Path]:
         f"# Decode benchmark: {Path(result['model']).name}",
         "",
         f"Machine: {result['machine']}; MLX {result['mlx']} ({result['device']}).",
-        f"Up to 256 distinct experts read whole at random, as the pread store reads them (8 threads): cold "
-        f"{result['cold_read_gb_s']:.2f} GB/s, from the page cache "
+        "Up to 256 distinct experts at random, read by the store (8 threads) one call per layer "
+        "for up to 32 of them, the faster of through the page cache and uncached: cold "
+        f"{result['cold_read_gb_s']:.2f} GB/s; from the page cache "
         f"{result.get('page_cache_read_gb_s', float('nan')):.2f} GB/s. The I/O bound of a cold "
         "run uses its own cold figure (cold GB/s: the mean of the same measurement right before "
         "and right after its timed decode); other runs use this one.",
-        "Budgets below 100% run cold: during pread runs a separate process keeps dropping the expert files "
+        "Budgets below 100% run cold: during pread and direct runs a separate process keeps dropping the expert files "
         "from the page cache (as if the experts were many times RAM); mmap runs are cold only at "
         "their start (mapped pages cannot be dropped).",
         "",
