@@ -62,6 +62,7 @@ def test_doctor_with_model_measures_and_forecasts(model, capsys):
     rows = _rows(capsys.readouterr().out)
     assert rows["recommended cache budget"].endswith("every expert)")
     assert re.match(r"cold [\d.]+ GB/s, warm \(page cache\) [\d.]+ GB/s", rows["read bandwidth"])
+    assert re.match(r"cold [\d.]+ GB/s with expert_io=direct", rows["uncached reads"])
     assert re.match(r"[\d.]+ tok/s at budget", rows["decode, measured"])
     fc = [k for k in rows if k.strip().startswith("forecast at")]
     assert [k.strip() for k in fc] == [

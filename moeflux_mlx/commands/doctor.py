@@ -324,6 +324,15 @@ def _model_rows(path: Path, given: dict, bench: bool) -> List[Tuple[str, str]]:
             f"cold {cold / 1e9:.2f} GB/s, warm (page cache) {warm / 1e9:.2f} GB/s ({time.perf_counter() - t0:.1f} s)",
         )
     )
+    # every pass of an uncached store is cold: nothing to drop first
+    uncached = read_bandwidth(path, io_mode="direct", before_pass=lambda fds, cold: None)[0]
+    rows.append(
+        (
+            "uncached reads",
+            f"cold {uncached / 1e9:.2f} GB/s with expert_io=direct (bypasses the page cache: "
+            "for experts several times RAM; docs/benchmarks.md, Uncached reads)",
+        )
+    )
     fits_page_cache = total + budget < psutil.virtual_memory().available
     bw = warm if fits_page_cache else cold
     basis = (
