@@ -85,8 +85,8 @@ def test_failed_prefetch_is_read_again_and_a_lasting_fault_reaches_the_caller(
     import moeflux_mlx.format.readers as readers
     import moeflux_mlx.io.prefetch as pf
 
-    def broken(src, e, buf):
-        raise ExpertReadError(f"layer {src.layer}: injected failure reading expert {e}")
+    def broken(store, layer, e, buf):
+        raise ExpertReadError(f"layer {layer}: injected failure reading expert {e}")
 
     with model.moeflux as rt:
         monkeypatch.setattr(pf, "_read_one", broken)  # only the prefetches fail: exact anyway

@@ -83,6 +83,29 @@ def test_replay_table_counts_misses_per_token():
     assert R.HINDSIGHT not in table["columns"]  # one half-life: nothing to choose
 
 
+def test_page_cache_serves_repeats_within_its_size():
+    # one layer of 8 experts, k=1, 2 slots (25%): a cycle over 4 experts misses every time
+    cycle = np.array([[[e]] for e in [0, 1, 2, 3] * 5])
+    trace = R.RoutingTrace(routed=cycle, layers=[0], num_experts=[8], tokens=np.arange(20))
+    table = R.page_cache_table(trace, budget=0.25, fractions=(0.25, 0.5, 1.0))
+    served = {r["fraction"]: r["served"] for r in table["rows"]}
+    assert table["misses_per_token"] == 1.0
+    # 2 experts of page cache, LRU: the cycle of 4 pushes each out before it comes back
+    assert served[0.25] == 0.0
+    # room for the 4: every miss after the first four is served
+    assert served[0.5] == served[1.0] == 16 / 20
+    # misses summed over layers in token order, one page cache for both layers
+    two = R.RoutingTrace(
+        routed=np.concatenate([cycle, cycle], axis=1),
+        layers=[0, 1],
+        num_experts=[8, 8],
+        tokens=np.arange(20),
+    )
+    got = {r["fraction"]: r["served"] for r in R.page_cache_table(two, 0.25, (0.25, 0.5))["rows"]}
+    # 25% of 16 is one layer's cycle, not both: shared, it serves none; 50% holds both
+    assert got == {0.25: 0.0, 0.5: 16 / 20}
+
+
 def test_hindsight_picks_each_layer_s_best_half_life():
     rng = np.random.default_rng(3)
     hot = [rng.choice(32, 8, replace=False) for _ in range(2)]
@@ -255,7 +278,7 @@ def test_report_from_saved_traces(tmp_path):
     assert cp.main(["--traces", str(path), "--out", str(tmp_path), "--label", "x"]) == 0
     (md,) = tmp_path.glob("*-x-routing.md")
     text = md.read_text()
-    for heading in ("Expert popularity", "Reuse", "Predictors", "Eviction"):
+    for heading in ("Expert popularity", "Reuse", "Predictors", "Eviction", "page cache"):
         assert heading in text
     assert "| s3fifo |" in text and "| opt |" in text and "| 10% |" in text
 

@@ -49,7 +49,8 @@ def _resident_pages(path) -> np.ndarray:
 @pytest.fixture
 def blob_file(tmp_path):
     path = tmp_path / "experts.bin"
-    data = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8)
+    # not whole pages: a read may end at a partial last page of the file
+    data = np.random.default_rng(0).integers(0, 256, (3 << 20) + 100, dtype=np.uint8)
     path.write_bytes(data.tobytes())
     fd = os.open(path, os.O_RDONLY)
     reader, why = open_uncached(path, fd)
@@ -69,6 +70,8 @@ RANGES = {
     "partial pages": (ALIGN + 100, 9 * ALIGN + 7, 100),
     "bounced": (3 * ALIGN + 64, (1 << 20) + 3 * ALIGN + 5, 0),
     "one page": (123, 500, 123),
+    "to the end of the file": ((3 << 20) - 2 * ALIGN + 64, 2 * ALIGN + 36, 64),
+    "bounced to the end": ((3 << 20) - 2 * ALIGN + 64, 2 * ALIGN + 36, 0),
 }
 
 
@@ -110,9 +113,11 @@ def test_memory_the_kernel_refuses_is_read_through_the_bounce_buffer(blob_file, 
 def test_a_truncated_file_fails_clearly(blob_file):
     path, data, fd, reader = blob_file
     os.truncate(path, 2 * ALIGN + 10)
-    for start, n in ((ALIGN, 4 * ALIGN), (3 * ALIGN, ALIGN)):
-        with pytest.raises(ExpertReadError, match=r"experts\.bin.*short read"):
-            reader.read(start, aligned_empty(n), f"{path} (expert 3)")
+    for start, n, at in ((ALIGN, 4 * ALIGN, 0), (3 * ALIGN, ALIGN, 0), (ALIGN, 4 * ALIGN, 8)):
+        buf = aligned_empty(n + at)[at:]  # in place, and through the bounce buffer
+        with pytest.raises(ExpertReadError, match=r"experts\.bin \(expert 3\).*short read") as e:
+            reader.read(start, buf, f"{path} (expert 3)")
+        assert str(e.value).count("experts.bin") == 1  # named once, not wrapped twice
 
 
 def test_store_reads_equal_pread(tiny_checkpoints):
@@ -123,6 +128,7 @@ def test_store_reads_equal_pread(tiny_checkpoints):
         direct, layout = st.open_store(path, "direct", threads=3)
         pread, _ = st.open_store(path, "pread", threads=1)
         with direct, pread:
+            assert direct._uncached  # read uncached, not fallen back to the page cache
             for i, lay in layout.layers.items():
                 every = np.arange(lay.num_experts)
                 want = pread.read(i, every).copy()
@@ -163,3 +169,34 @@ def test_the_bound_of_a_direct_run_reads_uncached(tiny_checkpoints):
 
     assert 0 < resident_after(io_mode="direct") < pages // 4
     assert resident_after() == pages
+
+
+def test_background_reads_go_uncached_too(tiny_checkpoints, monkeypatch):
+    """The prefetcher (and the CUDA miss server's read ahead) read through ``store.read_one``:
+    uncached in ``direct`` mode, the same bytes as the pread store."""
+    from moeflux_mlx.errors import ModelClosedError
+    from moeflux_mlx.io.prefetch import Prefetcher
+    from moeflux_mlx.stats import Stats
+
+    _, packed = tiny_checkpoints["qwen3_moe"]
+    calls = []
+    real = uncached.UncachedFile.read
+    monkeypatch.setattr(
+        uncached.UncachedFile, "read", lambda self, *a: (calls.append(a[0]), real(self, *a))[1]
+    )
+    direct, layout = st.open_store(packed, "direct", threads=2)
+    pread, _ = st.open_store(packed, "pread", threads=1)
+    layer = min(layout.layers)
+    experts = np.array([1, 5, 6])
+    with direct, pread:
+        pf = Prefetcher(direct, Stats())
+        pf.submit(layer, experts)
+        for f in list(pf._pending.values()):
+            f.result()
+        assert len(calls) >= len(experts)  # each prefetched expert was read uncached
+        got = pf.read(layer, experts).copy()
+        pf.close()
+        assert np.array_equal(got, pread.read(layer, experts))
+        fd = next(iter(direct.layers[layer].file_descriptors().values()))
+    with pytest.raises(ModelClosedError):
+        direct.read_range(fd, 0, aligned_empty(8), "closed")

@@ -361,6 +361,52 @@ def replay_table(
 # --------------------------------------------------------------------- predictors and recall
 
 
+def page_cache_table(
+    trace: RoutingTrace,
+    budget: float = 0.25,
+    fractions: Sequence[float] = (0.1, 0.2, 0.25, 0.33, 0.5, 0.75),
+) -> dict:
+    """How many of the slot cache's misses a page cache would serve: what reading uncached
+    (``expert_io=direct``) gives up. The default policy (``decay``) holds ``budget`` of each
+    layer's experts; every miss is read from the files, through one LRU page cache shared by all
+    layers that holds ``fraction`` of all the experts (an expert read stays in it until pushed
+    out, resident in the slots or not).
+
+    Args:
+        trace: the recording.
+        budget: the slots, a fraction of each layer's experts.
+        fractions: page cache sizes, fractions of all the experts.
+
+    Returns:
+        ``{"budget", "misses_per_token", "rows": [{"fraction", "served"}]}``: ``served`` is
+        the share of the slot misses the page cache would have held.
+    """
+    tokens = trace.routed.shape[0]
+    misses: List[Tuple[int, int]] = []  # (layer, expert), in order of reading
+    per_layer = []
+    for j, e in enumerate(trace.num_experts):
+        slots = budget_slots(budget, e, trace.top_k)
+        per_layer.append(
+            [m for _, m, _ in replay(trace.routed[:, j], e, slots, DecayPolicy(e, slots))]
+        )
+    for t in range(tokens):
+        for j, rows in enumerate(per_layer):
+            misses += [(j, int(x)) for x in rows[t]]
+    total = sum(trace.num_experts)
+    out = []
+    for frac in fractions:
+        cap, held, served = max(int(frac * total), 1), {}, 0  # dict order: least recent first
+        for key in misses:
+            if key in held:
+                served += 1
+                del held[key]
+            elif len(held) >= cap:
+                del held[next(iter(held))]
+            held[key] = True
+        out.append({"fraction": float(frac), "served": served / max(len(misses), 1)})
+    return {"budget": budget, "misses_per_token": len(misses) / max(tokens, 1), "rows": out}
+
+
 def one_hot(experts: np.ndarray, num_experts: int) -> np.ndarray:
     """Sets of experts as masks.
 
@@ -708,7 +754,7 @@ def analyze(
         predictor_windows: window sizes for the window predictors.
 
     Returns:
-        ``{"meta", "shape", "skew", "reuse", "predictors", "replay"}``.
+        ``{"meta", "shape", "skew", "reuse", "predictors", "replay", "page_cache"}``.
     """
     return {
         "meta": trace.meta,
@@ -723,6 +769,7 @@ def analyze(
         "reuse": reuse_table(trace, windows),
         "predictors": predictor_table(trace, predictor_windows, prefetch_budget),
         "replay": replay_table(trace, budgets, half_lives),
+        "page_cache": page_cache_table(trace),
     }
 
 
@@ -832,6 +879,21 @@ def format_report(result: dict) -> str:
             + " | ".join(f"{r[c]:.2f} ({r[c] / lru:.2f})" for c in cols)
             + " |"
         )
+    pc = result.get("page_cache")  # absent from reports saved before 2026-11-27
+    if pc:
+        lines += [
+            "",
+            f"### What a page cache would serve (decay slots at {pc['budget']:.0%}, "
+            f"{pc['misses_per_token']:.2f} misses per token)",
+            "",
+            "Reading uncached (`expert_io=direct`) gives these up: an LRU page cache shared by "
+            "every layer, holding a share of all the experts.",
+            "",
+            "| page cache, share of the experts | slot misses it serves |",
+            "|---|---|",
+        ]
+        for r in pc["rows"]:
+            lines.append(f"| {r['fraction']:.0%} | {_pct(r['served'])} |")
     return "\n".join(lines)
 
 

@@ -40,6 +40,7 @@ import numpy as np
 from ..cache.policy import POLICIES
 from ..errors import DeviceWaitError
 from ..io.store import store_from_spec
+from ..io.uncached import aligned_empty
 from .control_block import (
     G_ERRORS,
     G_PENDING_RELEASE,
@@ -236,8 +237,8 @@ class Server:
             f.cancel()  # hinted, never routed
 
     def _read_one(self, layer: int, e: int) -> np.ndarray:
-        buf = np.empty(self.store.layout(layer).blob_size, np.uint8)
-        self.store.layers[layer].read_one(e, buf)
+        buf = aligned_empty(self.store.layout(layer).blob_size)
+        self.store.read_one(layer, e, buf)
         return buf
 
     def _read_missing(

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..stats import Stats
 from .store import ExpertStore
+from .uncached import aligned_empty
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +39,14 @@ class Prefetcher:
             buf = self._free.pop()
             if buf.size == size:
                 return buf
-        return np.empty(size, np.uint8)
+        return aligned_empty(size)  # whole pages: uncached reads go in place
 
     def submit(self, layer: int, experts: np.ndarray) -> None:
-        src = self.store.layers[layer]
         self.store.check_experts(layer, experts)
         for e in experts.tolist():
             if (layer, e) not in self._pending:
                 buf = self._buffer(layer)
-                self._pending[(layer, e)] = self._pool.submit(_read_one, src, e, buf)
+                self._pending[(layer, e)] = self._pool.submit(_read_one, self.store, layer, e, buf)
                 self.stats.layer(layer).prefetch_issued += 1
 
     def read(self, layer: int, experts: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
@@ -103,6 +103,6 @@ class Prefetcher:
         self._free.clear()
 
 
-def _read_one(src, e: int, buf: np.ndarray) -> np.ndarray:
-    src.read_one(e, buf)
+def _read_one(store: ExpertStore, layer: int, e: int, buf: np.ndarray) -> np.ndarray:
+    store.read_one(layer, e, buf)
     return buf

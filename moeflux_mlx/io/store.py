@@ -95,10 +95,18 @@ class ExpertStore:
             for src in layers.values():
                 for path, fd in src.file_descriptors().items():
                     advise_random_reads(fd, f"{path} (layer {src.layer})")
-        # direct: each expert file's uncached descriptor, by its ordinary one; written here only
+        # direct: each expert file's uncached descriptor, by its ordinary one; written here and
+        # emptied by close() only
         self._uncached: Dict[int, UncachedFile] = {}
         if io_mode == "direct":
-            self._open_uncached()
+            try:
+                self._open_uncached()
+            except BaseException:  # the store owns the layers from here: leave nothing open
+                for f in self._uncached.values():
+                    f.close()
+                for src in layers.values():
+                    src.close()
+                raise
         self.threads = threads
         self._pool: Optional[ThreadPoolExecutor] = None
         self._staging: Optional[np.ndarray] = None
@@ -187,6 +195,20 @@ class ExpertStore:
             self._read_parallel(layer, src, experts, out, staged)
         return out
 
+    def read_one(self, layer: int, e: int, out: np.ndarray) -> None:
+        """Expert ``e`` of ``layer`` into ``out`` (``[blob_size]`` uint8), in the calling thread,
+        as this store reads (uncached in ``direct`` mode): for background reads.
+
+        Raises:
+            ExpertReadError: a read failed or a file ends first.
+        """
+        src = self._source(layer)
+        if not self._uncached or isinstance(src, ShardedLayer):
+            src.read_one(e, out)
+            return
+        for fd, start, at, n, what in src.pieces(e):
+            self.read_range(fd, start, out[at : at + n], what)
+
     def read_range(self, fd: int, start: int, into: np.ndarray, what: str) -> None:
         """One contiguous range of an expert file as this store's reads go (uncached in
         ``direct`` mode), in the calling thread.
@@ -200,6 +222,8 @@ class ExpertStore:
         Raises:
             ExpertReadError: the read failed or the file ends first.
         """
+        if self.closed:
+            raise ModelClosedError("the expert store is closed; load the model again")
         reader = self._uncached.get(fd)
         if reader is not None:
             reader.read(start, into, what)
@@ -287,6 +311,7 @@ class ExpertStore:
             src.close()
         for f in self._uncached.values():
             f.close()
+        self._uncached = {}
         self._staging = None
 
     def __enter__(self):

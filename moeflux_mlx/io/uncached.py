@@ -89,6 +89,8 @@ class UncachedFile:
         if (into.ctypes.data - start) % ALIGN == 0 and hi - lo >= ALIGN:
             try:
                 _read_direct(self.fd, into[lo - start : hi - start], lo, hi - lo, what)
+            except ExpertReadError:  # an OSError too: already says what went wrong
+                raise
             except OSError as e:
                 if e.errno not in (errno.EFAULT, errno.EINVAL):
                     raise ExpertReadError(
@@ -113,9 +115,11 @@ class UncachedFile:
             span = -(-(stop - lo) // ALIGN) * ALIGN
             try:
                 _read_direct(self.fd, bounce[:span], lo, stop - lo, what)
+            except ExpertReadError:  # an OSError too: already says what went wrong
+                raise
             except OSError as e:
                 raise ExpertReadError(
-                    f"{what}: read of {span} bytes at offset {lo} failed: {e}"
+                    f"{what}: read of {len(into)} bytes at offset {start} failed: {e}"
                 ) from e
             into[at - start : stop - start] = bounce[at - lo : stop - lo]
             at = stop
@@ -142,12 +146,14 @@ def open_uncached(path: Path, buffered_fd: int) -> Tuple[Optional[UncachedFile],
             fd = os.open(path, os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
         except OSError as e:
             return None, f"cannot open with O_DIRECT: {e.strerror}"
-        try:  # some file systems accept the flag and refuse the reads
-            if os.fstat(fd).st_size >= ALIGN:
-                os.preadv(fd, [memoryview(_bounce()[:ALIGN])], 0)
+        try:  # some file systems accept the flag and refuse the reads (a short file too)
+            os.preadv(fd, [memoryview(_bounce()[:ALIGN])], 0)
         except OSError as e:
             os.close(fd)
             return None, f"O_DIRECT reads fail: {e.strerror}"
+        except BaseException:
+            os.close(fd)
+            raise
         return UncachedFile(path, fd, buffered_fd, aligned=True), ""
     if sys.platform == "darwin":
         import fcntl
@@ -161,5 +167,8 @@ def open_uncached(path: Path, buffered_fd: int) -> Tuple[Optional[UncachedFile],
         except OSError as e:
             os.close(fd)
             return None, f"cannot turn caching off (F_NOCACHE): {e.strerror}"
+        except BaseException:
+            os.close(fd)
+            raise
         return UncachedFile(path, fd, buffered_fd, aligned=False), ""
     return None, f"no uncached reads on {sys.platform}"

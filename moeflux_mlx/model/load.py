@@ -214,7 +214,7 @@ def load(
 
     Args:
         path: the model directory (``~`` is expanded).
-        expert_io: ``auto`` (the RAM gate), ``mmap`` or ``pread``.
+        expert_io: ``auto`` (the RAM gate), ``mmap``, ``pread`` or ``direct`` (uncached).
         backend: ``auto``, ``ops``, ``metal`` or ``cuda``.
         cache_budget: MLX memory for resident experts: bytes, ``"8GB"``, a fraction of RAM,
             ``"all"``, or 0 for none (default: all experts if they fit in 0.4 x RAM).
