@@ -130,6 +130,20 @@ class UncachedFile:
             self.fd = -1
 
 
+def _or_close(fd: int, step) -> str:
+    """Run ``step()``; on ``OSError`` close ``fd`` and return why (on any other exception close
+    it and raise); "" when it went well."""
+    try:
+        step()
+    except OSError as e:
+        os.close(fd)
+        return e.strerror or str(e)
+    except BaseException:
+        os.close(fd)
+        raise
+    return ""
+
+
 def open_uncached(path: Path, buffered_fd: int) -> Tuple[Optional[UncachedFile], str]:
     """A descriptor of ``path`` whose reads bypass the page cache.
 
@@ -146,14 +160,10 @@ def open_uncached(path: Path, buffered_fd: int) -> Tuple[Optional[UncachedFile],
             fd = os.open(path, os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
         except OSError as e:
             return None, f"cannot open with O_DIRECT: {e.strerror}"
-        try:  # some file systems accept the flag and refuse the reads (a short file too)
-            os.preadv(fd, [memoryview(_bounce()[:ALIGN])], 0)
-        except OSError as e:
-            os.close(fd)
-            return None, f"O_DIRECT reads fail: {e.strerror}"
-        except BaseException:
-            os.close(fd)
-            raise
+        # some file systems accept the flag and refuse the reads (a short file too)
+        why = _or_close(fd, lambda: os.preadv(fd, [memoryview(_bounce()[:ALIGN])], 0))
+        if why:
+            return None, f"O_DIRECT reads fail: {why}"
         return UncachedFile(path, fd, buffered_fd, aligned=True), ""
     if sys.platform == "darwin":
         import fcntl
@@ -162,13 +172,8 @@ def open_uncached(path: Path, buffered_fd: int) -> Tuple[Optional[UncachedFile],
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as e:
             return None, f"cannot open: {e.strerror}"
-        try:
-            fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", 48), 1)
-        except OSError as e:
-            os.close(fd)
-            return None, f"cannot turn caching off (F_NOCACHE): {e.strerror}"
-        except BaseException:
-            os.close(fd)
-            raise
+        why = _or_close(fd, lambda: fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", 48), 1))
+        if why:
+            return None, f"cannot turn caching off (F_NOCACHE): {why}"
         return UncachedFile(path, fd, buffered_fd, aligned=False), ""
     return None, f"no uncached reads on {sys.platform}"
