@@ -14,9 +14,9 @@ every millisecond beside the reads, as it does during cold runs (does the droppi
 equal shares, one per thread; through the page cache and, ``expert_io=direct``, bypassing it)
 with the queue of pieces it used before, with and without ``O_DIRECT`` and at other piece sizes
 and thread counts, and prints them beside the decode benchmark's cold bandwidth (the I/O bound's
-rate) measured before and after. Since the
-store reads in equal shares (2026-11-27), ``--sweep``'s piece size no longer sets how many
-reads run at once (the thread count does), so its rows are not comparable with earlier sweeps.
+rate) measured before and after. Since the store reads in equal shares (2026-11-27), ``--sweep``'s
+piece size no longer sets how many reads run at once (the thread count does), so its rows are not
+comparable with earlier sweeps.
 
     python benchmarks/probes/store_read_ab.py [--dir /tmp/moeflux-read-ab] [--rounds 3] [--batches 20]
                                        [--sweep 256:8,512:16,1024:8,2048:8] [--dropper]

@@ -112,6 +112,7 @@ def read_bandwidth(
     seed: int = 0,
     before_pass: Optional[Callable[[List[int], bool], None]] = None,
     io_mode: str = "pread",
+    warm: bool = True,
 ) -> Tuple[float, float]:
     """The disk's rate for the store's own reads, as one stream: ``reads`` distinct experts (all
     of them when the model has fewer), drawn at random over the MoE layers, read by the store
@@ -129,6 +130,7 @@ def read_bandwidth(
         before_pass: called with the descriptors before each timed pass (``cold`` True, then
             False); None: the page cache is dropped before the cold pass (``drop_page_cache``).
         io_mode: ``pread``, or ``direct`` (uncached: every pass is cold).
+        warm: also time the warm passes; False: the cold pass only (warm is then 0.0).
 
     Returns:
         ``(cold, warm)`` bytes/s: after dropping the page cache (or with ``before_pass``'s
@@ -157,8 +159,8 @@ def read_bandwidth(
             for i, ex in calls:
                 store.read(i, ex)
 
-        rates = []
-        for cold in (True, False):
+        rates = [0.0, 0.0]
+        for k, cold in enumerate((True, False)[: 2 if warm else 1]):
             if before_pass is not None:
                 before_pass(fds, cold)
             elif cold:
@@ -167,7 +169,7 @@ def read_bandwidth(
                 one_pass()
             t = time.perf_counter()
             one_pass()
-            rates.append(total / (time.perf_counter() - t))
+            rates[k] = total / (time.perf_counter() - t)
     return rates[0], rates[1]
 
 
@@ -175,4 +177,6 @@ def cold_bandwidth(path: Path, threads: int = 8) -> float:
     """The I/O bound's rate: the faster of the store's cold reads through the page cache and
     uncached (``read_bandwidth``, ``pread`` and ``direct``), bytes/s. Either way can be the
     faster on a given disk, and a decode through one must not beat the bound by the other."""
-    return max(read_bandwidth(path, threads=threads, io_mode=m)[0] for m in ("pread", "direct"))
+    return max(
+        read_bandwidth(path, threads=threads, io_mode=m, warm=False)[0] for m in ("pread", "direct")
+    )

@@ -327,7 +327,7 @@ def _model_rows(path: Path, given: dict, bench: bool) -> List[Tuple[str, str]]:
     # the page cache dropped first where it can be (partial pages and files that cannot be
     # read uncached go through it); macOS: F_NOCACHE reads, nothing to drop
     keep = None if hasattr(os, "posix_fadvise") else (lambda fds, cold: None)
-    uncached = read_bandwidth(path, io_mode="direct", before_pass=keep)[0]
+    uncached = read_bandwidth(path, io_mode="direct", before_pass=keep, warm=False)[0]
     rows.append(
         (
             "uncached reads",
