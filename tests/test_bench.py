@@ -56,6 +56,39 @@ def test_benchmark_runs_and_writes_results(tiny_checkpoints, tmp_path):
     )
 
 
+def test_page_cache_kept_runs_without_the_dropper_and_says_what_it_held(
+    tiny_checkpoints, monkeypatch, tmp_path
+):
+    """``page_cache="kept"``: cold at the start, then no dropper (RAM decides what the
+    page cache keeps); the run says how many of the experts' bytes it held at the end."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("page-cache residency is checked with Linux's mincore")
+    _, packed = tiny_checkpoints["qwen3_moe"]
+    started = []
+    real = decode.PageCacheDropper
+
+    def spy(files, *a, **k):
+        started.append(files)
+        return real(files, *a, **k)
+
+    monkeypatch.setattr(decode, "PageCacheDropper", spy)
+    common = dict(budgets=(0.25,), io_modes=("pread",), prompt_tokens=8, decode_tokens=4)
+    kept = decode.run_benchmark(packed, stock=False, page_cache="kept", **common)
+    assert not started and kept["page_cache"] == "kept"
+    run = kept["runs"][0]
+    total = sum(f.stat().st_size for f in pagecache.expert_files(packed))
+    # the decode's misses went through the page cache and stayed there
+    assert 0 < run["page_cache_mb"] * 1e6 <= total
+    dropped = decode.run_benchmark(packed, stock=False, **common)
+    assert started and dropped["page_cache"] == "dropped"
+    md = report.write_results(kept, tmp_path, "t")[1].read_text()
+    assert "page cache MB" in md and "start cold" in md
+    with pytest.raises(ValueError, match="page_cache"):
+        decode.run_benchmark(packed, stock=False, page_cache="warm", **common)
+
+
 def test_paired_resident_rounds(tiny_checkpoints):
     src, packed = tiny_checkpoints["qwen3_moe"]
     result = decode.run_benchmark(
@@ -87,22 +120,11 @@ def test_skipped_experts_read_nothing_and_keep_shapes(tiny_checkpoints):
 
 
 def _resident_fraction(path) -> float:
-    """Share of ``path``'s pages in the page cache: mincore on a copy-on-write map of it (mapping
-    touches no page; copy-on-write only so that ctypes can take its address)."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    size = path.stat().st_size
-    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-    vec = (ctypes.c_ubyte * pages)()
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:
-        first = ctypes.c_char.from_buffer(m)
-        rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(first)), ctypes.c_size_t(size), vec)
-        del first  # the map cannot close while ctypes holds it
-    if rc != 0:
-        pytest.skip(f"mincore failed: errno {ctypes.get_errno()}")
-    return sum(v & 1 for v in vec) / pages
+    """Share of ``path``'s pages in the page cache (``mincore``)."""
+    pages = pagecache.resident_pages(path)
+    if pages is None:
+        pytest.skip("mincore is unavailable here")
+    return float(pages.mean())
 
 
 def test_page_cache_dropper_drops_while_it_runs(tiny_checkpoints):

@@ -7,15 +7,13 @@ cannot be read uncached: test_streaming.py."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
-import mmap
 import os
 
 import numpy as np
 import pytest
 
+from moeflux_mlx.benchmark import pagecache
 from moeflux_mlx.errors import ExpertReadError
 from moeflux_mlx.io import store as st
 from moeflux_mlx.io import uncached
@@ -32,18 +30,11 @@ def _drop(fd):
 
 
 def _resident_pages(path) -> np.ndarray:
-    """Which of ``path``'s pages are in the page cache (``mincore`` on a map of it)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    size = os.path.getsize(path)
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
-        view = np.frombuffer(m, np.uint8)
-        addr = view.ctypes.data
-        pages = -(-size // mmap.PAGESIZE)
-        vec = (ctypes.c_ubyte * pages)()
-        if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) != 0:
-            pytest.skip(f"mincore failed: {os.strerror(ctypes.get_errno())}")
-        del view
-    return np.frombuffer(vec, np.uint8) & 1
+    """Which of ``path``'s pages are in the page cache (``mincore``)."""
+    pages = pagecache.resident_pages(path)
+    if pages is None:
+        pytest.skip("mincore is unavailable here")
+    return pages
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ from ..model.runtime import use_table
 from ..options import LoadOptions
 from .pagecache import (
     PageCacheDropper,
+    cached_bytes,
     cold_bandwidth,
     drop_page_cache,
     expert_files,
@@ -36,6 +37,9 @@ from .pagecache import (
 from .report import CEILING, machine_name
 
 log = logging.getLogger(__name__)
+
+# how cold runs treat the page cache (run_benchmark's page_cache)
+PAGE_CACHE_CHOICES = ("dropped", "kept")
 
 
 @dataclass
@@ -71,6 +75,9 @@ class DecodeRun:
     cold_gb_s_before_after: Optional[List[float]] = None
     io_bound_tps: Optional[float] = None
     fraction_of_io_bound: Optional[float] = None
+    # cold runs: the experts' bytes the page cache held when the decode ended (page_cache="kept":
+    # what RAM let it keep; None: unknown)
+    page_cache_mb: Optional[float] = None
     peak_memory_gb: float = 0.0
     tokens: List[int] = field(default_factory=list, repr=False)
 
@@ -164,6 +171,7 @@ def _run_moeflux(
     prefetch=False,
     device_table=None,
     prepare=_as_is,
+    page_cache="dropped",
 ) -> DecodeRun:
     total = expert_layout(path).total_expert_bytes
     budget = "all" if budget_fraction >= 1 else int(budget_fraction * total)
@@ -184,10 +192,11 @@ def _run_moeflux(
         if cold:
             drop_page_cache(files)
         # pread + cold: keep dropping the page cache while decoding, as if the experts were many
-        # times RAM (mapped pages cannot be dropped: mmap runs are cold only at their start)
+        # times RAM (mapped pages cannot be dropped: mmap runs are cold only at their start);
+        # "kept": cold at the start only, then the page cache keeps what RAM lets it keep
         dropping = (
             PageCacheDropper(files)
-            if cold and rt.store.io_mode != "mmap"
+            if cold and rt.store.io_mode != "mmap" and page_cache == "dropped"
             else contextlib.nullcontext()
         )
         mx.reset_peak_memory()
@@ -197,6 +206,7 @@ def _run_moeflux(
                 model, prompt, decode_tokens, on_first=rt.reset_stats
             )
         rt.stats_dict()  # counts what the miss server read, if any
+        held = cached_bytes(files) if cold else None
         if around:
             around.append(cold_bandwidth(path))
             bandwidth = sum(around) / len(around)
@@ -230,6 +240,7 @@ def _run_moeflux(
             other_ms_per_token=1e3
             * (decode_s - t.sync_s - max(t.io_s, t.gpu_wait_s) - t.upload_s)
             / n,
+            page_cache_mb=None if held is None else held / 1e6,
             peak_memory_gb=mx.get_peak_memory() / 1e9,
             tokens=tokens,
         )
@@ -384,6 +395,7 @@ def run_benchmark(
     seed=0,
     repeats=1,
     prepare=_as_is,
+    page_cache="dropped",
 ) -> dict:
     """Run every configuration and return a result dict (see ``write_results``).
 
@@ -393,7 +405,12 @@ def run_benchmark(
     for ratios that see through run-to-run noise. ``prepare(model)`` runs on every model right
     after it is loaded (``trace_routing.drive_routing``: routing replayed from a trace).
     ``prompt``: token ids to start from (the first ``prompt_tokens``; default: random ids), so a
-    trained model decodes text and routes as it would for a user."""
+    trained model decodes text and routes as it would for a user. ``page_cache``: ``dropped``
+    (the cold runs' page cache is dropped all along, as for experts many times RAM) or ``kept``
+    (dropped once before the decode; then it keeps what RAM lets it keep: a model larger than
+    RAM as it runs)."""
+    if page_cache not in PAGE_CACHE_CHOICES:
+        raise ValueError(f"page_cache {page_cache!r}: expected one of {PAGE_CACHE_CHOICES}")
     path = Path(path)
     prepare = prepare or _as_is
     mx.random.seed(seed)
@@ -434,6 +451,7 @@ def run_benchmark(
                                 prefetch=pf,
                                 device_table=table,
                                 prepare=prepare,
+                                page_cache=page_cache,
                             )
                         )
                     except DeviceWaitError as e:  # the table path stalled: say so, go on
@@ -476,6 +494,7 @@ def run_benchmark(
         "device": str(mx.default_device()),
         "cold_read_gb_s": bandwidth / 1e9,
         "page_cache_read_gb_s": warm_bandwidth / 1e9,
+        "page_cache": page_cache,
         "tokens_identical_to_stock": None
         if ref is None
         else {

@@ -1,9 +1,12 @@
-"""Cold reads for the benchmarks: which files hold a model's experts, dropping them from the
-page cache (once, or continuously from a process of its own), and the disk's rate for the store's
-cold reads of whole experts."""
+"""Cold reads for the benchmarks: which files hold a model's experts, which of their pages the
+page cache holds, dropping them from it (once, or continuously from a process of its own), and the
+disk's rate for the store's cold reads of whole experts."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import mmap
 import os
 import random
 import subprocess
@@ -28,6 +31,38 @@ def expert_files(path: Path) -> List[Path]:
         return [packed_file(path, i) for i in packed_layout(path).layers]
     ckpt = scan_checkpoint(path)
     return sorted({r.file for comps in ckpt.ranges.values() for r in comps.values()})
+
+
+def resident_pages(path: Path) -> Optional[np.ndarray]:
+    """Which of ``path``'s pages the page cache holds: one 0/1 byte a page (``mincore`` on a
+    read-only map of the file, which touches no page). None where ``mincore`` is unavailable or
+    refuses."""
+    size = os.path.getsize(path)
+    if not size:
+        return np.zeros(0, np.uint8)
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    pages = -(-size // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+        view = np.frombuffer(m, np.uint8)
+        try:
+            rc = libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size), vec)
+        except AttributeError:  # no mincore in this C library
+            return None
+        finally:
+            del view  # the map cannot close while a view holds it
+    return None if rc != 0 else np.frombuffer(vec, np.uint8) & 1
+
+
+def cached_bytes(files: Sequence[Path]) -> Optional[int]:
+    """How many bytes of ``files`` the page cache holds (whole pages; None: unknown here)."""
+    total = 0
+    for f in files:
+        pages = resident_pages(f)
+        if pages is None:
+            return None
+        total += int(pages.sum()) * mmap.PAGESIZE
+    return total
 
 
 def drop_page_cache(files: Sequence[Path]) -> None:

@@ -77,6 +77,7 @@ COLUMNS = [
     ("cold_gb_s", "cold GB/s", "{:.2f}"),
     ("io_bound_tps", "I/O bound tok/s", "{:.1f}"),
     ("fraction_of_io_bound", "of bound", "{:.0%}"),
+    ("page_cache_mb", "page cache MB", "{:.0f}"),
     ("peak_memory_gb", "peak GB", "{:.2f}"),
 ]
 
@@ -150,6 +151,16 @@ def summary_lines(result: dict) -> List[str]:
     return out
 
 
+# how the cold runs were cold, by run_benchmark's page_cache
+COLD_RUNS = {
+    "dropped": "Budgets below 100% run cold: during pread and direct runs a separate process "
+    "keeps dropping the expert files from the page cache (as if the experts were many times "
+    "RAM); mmap runs are cold only at their start (mapped pages cannot be dropped).",
+    "kept": "Budgets below 100% start cold (the expert files dropped from the page cache), then "
+    "the page cache keeps what RAM lets it keep; 'page cache MB' says how much of the experts "
+    "it held at the end.",
+}
+
 RESULT_SUFFIXES = (".json", ".md", ".png")
 
 
@@ -193,9 +204,7 @@ def write_results(result: dict, out_dir: Path, stem: str) -> List[Path]:
         f"{result.get('page_cache_read_gb_s', float('nan')):.2f} GB/s. The I/O bound of a cold "
         "run uses its own cold figure (cold GB/s: the mean of the same measurement right before "
         "and right after its timed decode); other runs use this one.",
-        "Budgets below 100% run cold: during pread and direct runs a separate process keeps dropping the expert files "
-        "from the page cache (as if the experts were many times RAM); mmap runs are cold only at "
-        "their start (mapped pages cannot be dropped).",
+        COLD_RUNS[result.get("page_cache", "dropped")],
         "",
         format_table(result),
         "",

@@ -13,7 +13,7 @@ from typing import List, Optional, Tuple
 
 from mlx_lm.utils import load_tokenizer
 
-from ..benchmark.decode import run_benchmark
+from ..benchmark.decode import PAGE_CACHE_CHOICES, run_benchmark
 from ..benchmark.report import (
     format_table,
     machine_tag,
@@ -172,6 +172,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "and hand prefetch what this predictor predicted there (gate: the next layer's router; "
         "ridge: a linear map fitted to the model's own routing); needed for --prefetch on",
     )
+    p.add_argument(
+        "--page-cache",
+        choices=PAGE_CACHE_CHOICES,
+        default="dropped",
+        help="cold runs (budgets below 100%%): dropped = the expert files dropped from the page "
+        "cache all along, as for experts many times RAM (default); kept = dropped once, then "
+        "the page cache keeps what RAM lets it keep (a model larger than RAM as it runs)",
+    )
     p.add_argument("--machine", default=None, help="machine label for the results file name")
     p.add_argument(
         "--out",
@@ -294,6 +302,7 @@ def run(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         prefetch=prefetch,
         prepare=prepare,
+        page_cache=args.page_cache,
     )
     result["routing_trace"] = str(args.routing_trace) if args.routing_trace else None
     result["trace_predictor"] = args.trace_predictor
