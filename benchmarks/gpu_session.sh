@@ -13,12 +13,13 @@
 # ROUNDS times. A fresh machine first spends minutes in
 # NVRTC compiling kernels (docs/benchmarks.md, known problems): BENCH_TIMEOUT covers that.
 #
-# ROUTING="bound policy prefetch ops spec prefill dist compare" runs the real-routing parts instead
-# (the others then default to off): the trained demo's routing replayed over Qwen3-30B-A3B-sized
+# ROUTING="bound pagecache policy prefetch ops spec prefill dist compare" runs the real-routing
+# parts instead (the others then default to off): the trained demo's routing replayed over Qwen3-30B-A3B-sized
 # experts (64 per layer, 8 layers, converted, pread, 25% cold): the default policy's fraction of
 # the I/O bound BOUND_RUNS times (2; BOUND_IO="pread direct" also uncached, in turns) after the
 # store's cold reads of miss-sized batches, its schemes side by side (store_read_ab.py
-# --shares-ab); LRU vs the default policy,
+# --shares-ab); pread with a page cache of shares of the experts against direct (PC_RUNS);
+# LRU vs the default policy,
 # prefetch of the trace's recorded ridge / gate predictions, the ops backend's tokens against
 # stock, prompt-lookup speculation and prefill at 25% (benchmarks/speculation.py, prefill.py),
 # two ranks on the one GPU (tests/test_distributed.py, and NCCL), and `compare`'s KL rule.
@@ -99,6 +100,16 @@ if part bound; then  # the store's reads of miss batches, then the default polic
         --machine "bound-$io-$run" --out "$OUT/bound" > "$OUT/bound_${io}_$run.txt" 2>&1
       echo "bound, $io, run $run:"; grep -E "^\| moeflux" "$OUT/bound_${io}_$run.txt"
     done
+  done
+fi
+if part pagecache; then  # where uncached reads stop paying: pread with a page cache of a share
+  # of the experts (bench --page-cache SHARE: another process holds all of RAM but that share;
+  # "page cache MB" is what it held), against direct and pread with the page cache dropped
+  for run in ${PC_RUNS:-direct dropped 0.1 0.25 0.5 kept}; do
+    io=pread; keep=$run; [ "$run" = direct ] && io=direct keep=kept
+    timeout 200 "${ROUTED[@]/pread/$io}" --trace-predictor ridge --prefetch off --no-stock \
+      --page-cache "$keep" --machine "pc-$run" --out "$OUT/pagecache" > "$OUT/pc_$run.txt" 2>&1
+    echo "page cache $run ($io), rc $?:"; grep -E "^\| moeflux|Error" "$OUT/pc_$run.txt"
   done
 fi
 if part policy; then  # LRU vs the default (decay), same replayed positions, cold

@@ -1,5 +1,7 @@
 """The decode benchmark runs end to end and reports what it measured."""
 
+import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -87,6 +89,60 @@ def test_page_cache_kept_runs_without_the_dropper_and_says_what_it_held(
     assert "page cache MB" in md and "start cold" in md
     with pytest.raises(ValueError, match="page_cache"):
         decode.run_benchmark(packed, stock=False, page_cache="warm", **common)
+
+
+def test_ram_balloon_holds_all_but_what_it_leaves_and_gives_it_back():
+    """The balloon takes what is available beyond ``leave`` (a couple of hundred MiB here, not
+    RAM) and frees it when it stops; killed (as the OOM killer would), it fails loudly."""
+    import psutil
+
+    if not os.path.exists("/proc/meminfo"):
+        pytest.skip("the balloon reads Linux's /proc/meminfo")
+    take = 192 << 20
+    with pagecache.RamBalloon(psutil.virtual_memory().available - take) as balloon:
+        proc = psutil.Process(balloon._proc.pid)
+        assert proc.memory_info().rss > take // 2  # written, so really taken
+    assert take // 3 < balloon.held_bytes < 3 * take
+    assert not psutil.pid_exists(proc.pid) or proc.status() == psutil.STATUS_ZOMBIE
+    with pytest.raises(RuntimeError, match="died"):
+        with pagecache.RamBalloon(psutil.virtual_memory().available - take) as balloon:
+            balloon._proc.kill()
+            balloon._proc.wait()
+
+
+def test_page_cache_share_holds_ram_around_the_cold_decode(tiny_checkpoints, monkeypatch):
+    """``page_cache=0.5``: the cold run decodes while a balloon leaves half the experts' bytes
+    (not the dropper); the bench's flag takes a share, and refuses what is none."""
+    _, packed = tiny_checkpoints["qwen3_moe"]
+    entered = []
+
+    class Balloon(contextlib.nullcontext):
+        def __init__(self, leave):
+            super().__init__()
+            entered.append(leave)
+
+    monkeypatch.setattr(decode, "RamBalloon", Balloon)
+    monkeypatch.setattr(decode, "PageCacheDropper", lambda *a, **k: pytest.fail("the dropper ran"))
+    result = decode.run_benchmark(
+        packed,
+        stock=False,
+        budgets=(1.0, 0.25),
+        io_modes=("pread",),
+        prompt_tokens=8,
+        decode_tokens=4,
+        page_cache=0.5,
+    )
+    total = sum(f.stat().st_size for f in pagecache.expert_files(packed))
+    assert entered == [int(0.5 * decode.expert_layout(packed).total_expert_bytes)]  # cold only
+    assert 0.4 * total < entered[0] <= 0.5 * total
+    assert "all of RAM but 50% of the experts' bytes" in report.cold_runs(result["page_cache"])
+    parser = argparse.ArgumentParser()
+    bench_cmd.add_args(parser)
+    assert parser.parse_args(["--page-cache", "0.25"]).page_cache == 0.25
+    assert parser.parse_args(["--page-cache", "KEPT"]).page_cache == "kept"
+    for bad in ("2", "0", "warm"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--page-cache", bad])
 
 
 def test_paired_resident_rounds(tiny_checkpoints):

@@ -15,7 +15,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import mlx.core as mx
 import psutil
@@ -28,6 +28,7 @@ from ..model.runtime import use_table
 from ..options import LoadOptions
 from .pagecache import (
     PageCacheDropper,
+    RamBalloon,
     cached_bytes,
     cold_bandwidth,
     drop_page_cache,
@@ -38,8 +39,21 @@ from .report import CEILING, machine_name
 
 log = logging.getLogger(__name__)
 
-# how cold runs treat the page cache (run_benchmark's page_cache)
+# how cold runs treat the page cache (run_benchmark's page_cache; or a share of the experts)
 PAGE_CACHE_CHOICES = ("dropped", "kept")
+
+
+def check_page_cache(page_cache: Union[str, float]) -> None:
+    """Raises ValueError unless ``page_cache`` is one of ``PAGE_CACHE_CHOICES`` or a share of
+    the experts in (0, 1]."""
+    if isinstance(page_cache, str):
+        if page_cache not in PAGE_CACHE_CHOICES:
+            raise ValueError(
+                f"page_cache {page_cache!r}: expected one of {', '.join(PAGE_CACHE_CHOICES)} "
+                "or a share of the experts in (0, 1]"
+            )
+    elif not 0 < page_cache <= 1:
+        raise ValueError(f"page_cache {page_cache}: a share of the experts must be in (0, 1]")
 
 
 @dataclass
@@ -189,24 +203,31 @@ def _run_moeflux(
         _time_generation(model, prompt, 4)  # warm-up: kernels of these shapes, allocator, fills
         files = expert_files(path)
         around = [cold_bandwidth(path)] if cold and bandwidth else []
-        if cold:
-            drop_page_cache(files)
         # pread + cold: keep dropping the page cache while decoding, as if the experts were many
         # times RAM (mapped pages cannot be dropped: mmap runs are cold only at their start);
-        # "kept": cold at the start only, then the page cache keeps what RAM lets it keep
+        # "kept": cold at the start only, then the page cache keeps what RAM lets it keep; a
+        # share: the same, with all of RAM held but that share of the experts' bytes
         dropping = (
             PageCacheDropper(files)
             if cold and rt.store.io_mode != "mmap" and page_cache == "dropped"
             else contextlib.nullcontext()
         )
-        mx.reset_peak_memory()
-        rt.reset_stats()
-        with dropping:
-            ptps, dtps, tokens, decode_s = _time_generation(
-                model, prompt, decode_tokens, on_first=rt.reset_stats
-            )
-        rt.stats_dict()  # counts what the miss server read, if any
-        held = cached_bytes(files) if cold else None
+        ram = (
+            RamBalloon(int(page_cache * total))
+            if cold and not isinstance(page_cache, str)
+            else contextlib.nullcontext()
+        )
+        with ram:
+            if cold:
+                drop_page_cache(files)
+            mx.reset_peak_memory()
+            rt.reset_stats()
+            with dropping:
+                ptps, dtps, tokens, decode_s = _time_generation(
+                    model, prompt, decode_tokens, on_first=rt.reset_stats
+                )
+            rt.stats_dict()  # counts what the miss server read, if any
+            held = cached_bytes(files) if cold else None
         if around:
             around.append(cold_bandwidth(path))
             bandwidth = sum(around) / len(around)
@@ -406,11 +427,12 @@ def run_benchmark(
     after it is loaded (``trace_routing.drive_routing``: routing replayed from a trace).
     ``prompt``: token ids to start from (the first ``prompt_tokens``; default: random ids), so a
     trained model decodes text and routes as it would for a user. ``page_cache``: ``dropped``
-    (the cold runs' page cache is dropped all along, as for experts many times RAM) or ``kept``
+    (the cold runs' page cache is dropped all along, as for experts many times RAM), ``kept``
     (dropped once before the decode; then it keeps what RAM lets it keep: a model larger than
-    RAM as it runs)."""
-    if page_cache not in PAGE_CACHE_CHOICES:
-        raise ValueError(f"page_cache {page_cache!r}: expected one of {PAGE_CACHE_CHOICES}")
+    RAM as it runs), or a share in (0, 1]: kept, while a process holds all of RAM but that
+    share of the experts' bytes (``RamBalloon``; Linux): experts a few times RAM, on a machine
+    whose RAM holds them all."""
+    check_page_cache(page_cache)
     path = Path(path)
     prepare = prepare or _as_is
     mx.random.seed(seed)

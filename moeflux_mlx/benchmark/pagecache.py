@@ -1,6 +1,7 @@
 """Cold reads for the benchmarks: which files hold a model's experts, which of their pages the
-page cache holds, dropping them from it (once, or continuously from a process of its own), and the
-disk's rate for the store's cold reads of whole experts."""
+page cache holds, dropping them from it (once, or continuously from a process of its own), a
+process that holds RAM so that the page cache can keep only a share of them, and the disk's rate
+for the store's cold reads of whole experts."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import ctypes.util
 import mmap
 import os
 import random
+import select
 import subprocess
 import sys
 import time
@@ -133,6 +135,100 @@ class PageCacheDropper:
         if proc.returncode:
             raise RuntimeError(f"the page-cache dropper failed (exit code {proc.returncode})")
         self.drops = int(out.split()[-1])
+
+
+# The balloon's loop, in a process of its own (the first the OOM killer takes). It keeps the
+# kernel's MemAvailable near ``leave``: it takes anonymous memory (written, so that it is really
+# taken) while more is left and gives it back when other processes need it. Page-cache pages
+# count as available, so the page cache may grow into what is left but no further. It prints
+# "steady" once MemAvailable is within half a chunk of ``leave``, and at the end the most it held.
+_BALLOON = """
+import mmap, select, sys
+leave, period, chunk = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+with open("/proc/self/oom_score_adj", "w") as f:
+    f.write("1000")
+def available():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+held, most, steady = [], 0, False
+while not select.select([sys.stdin], [], [], period if steady else 0)[0]:
+    gap = available() - leave
+    if gap > chunk // 2:
+        m = mmap.mmap(-1, min(chunk, gap), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        m.write(b"\1" * len(m))
+        held.append(m)
+        most = max(most, sum(len(h) for h in held))
+    elif gap < -chunk // 2 and held:
+        held.pop().close()
+    elif not steady:
+        steady = True
+        print("steady", flush=True)
+print("held", most, flush=True)
+"""
+
+
+class RamBalloon:
+    """Holds all of RAM but about ``leave_bytes`` in a process of its own, for as long as it
+    runs, so that the page cache can keep no more than that: a model whose experts are a few
+    times RAM, on a machine whose RAM holds them all. It gives memory back as other processes
+    need it, and is the first process the OOM killer takes. Linux only (``/proc/meminfo``).
+
+    ``held_bytes``: the most it held, known once it has stopped.
+
+    Raises:
+        RuntimeError: it could not start, or did not settle within ``timeout_s``."""
+
+    def __init__(
+        self,
+        leave_bytes: int,
+        period_s: float = 0.05,
+        chunk_bytes: int = 64 << 20,
+        timeout_s: float = 300.0,
+    ):
+        if not os.path.exists("/proc/meminfo"):
+            raise RuntimeError("holding RAM needs Linux's /proc/meminfo")
+        self.leave, self.period_s, self.chunk = int(leave_bytes), period_s, chunk_bytes
+        self.timeout_s = timeout_s
+        self.held_bytes = 0
+        self._proc: Optional[subprocess.Popen] = None
+
+    def __enter__(self):
+        args = [str(self.leave), str(self.period_s), str(self.chunk)]
+        self._proc = proc = subprocess.Popen(
+            [sys.executable, "-c", _BALLOON, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout is not None
+        ready = select.select([proc.stdout], [], [], self.timeout_s)[0]
+        if not ready or proc.stdout.readline().strip() != "steady":
+            self._stop()
+            raise RuntimeError(
+                f"the RAM balloon did not settle within {self.timeout_s:.0f} s "
+                f"(exit code {proc.returncode})"
+            )
+        return self
+
+    def _stop(self) -> str:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return ""
+        try:
+            out, _ = proc.communicate(timeout=30)  # closes its stdin: the signal to stop
+        except subprocess.TimeoutExpired:
+            proc.kill()  # never left behind holding memory
+            proc.wait()
+            raise
+        return out
+
+    def __exit__(self, *exc):
+        words = self._stop().split()
+        if words[-2:-1] != ["held"]:
+            raise RuntimeError("the RAM balloon died (the OOM killer takes it first)")
+        self.held_bytes = int(words[-1])
 
 
 # the most experts of one layer that one store call reads when measuring the disk's rate: a miss

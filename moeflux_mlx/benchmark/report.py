@@ -161,6 +161,18 @@ COLD_RUNS = {
     "it held at the end.",
 }
 
+
+def cold_runs(page_cache) -> str:
+    """How the cold runs were cold (run_benchmark's ``page_cache``: a name, or a share)."""
+    if isinstance(page_cache, str):
+        return COLD_RUNS[page_cache]
+    return (
+        COLD_RUNS["kept"][:-1] + f", while another process held all of RAM but "
+        f"{page_cache:.0%} of the experts' bytes (as for experts {1 / page_cache:.1f}x the "
+        "RAM left to the page cache)."
+    )
+
+
 RESULT_SUFFIXES = (".json", ".md", ".png")
 
 
@@ -204,7 +216,7 @@ def write_results(result: dict, out_dir: Path, stem: str) -> List[Path]:
         f"{result.get('page_cache_read_gb_s', float('nan')):.2f} GB/s. The I/O bound of a cold "
         "run uses its own cold figure (cold GB/s: the mean of the same measurement right before "
         "and right after its timed decode); other runs use this one.",
-        COLD_RUNS[result.get("page_cache", "dropped")],
+        cold_runs(result.get("page_cache", "dropped")),
         "",
         format_table(result),
         "",

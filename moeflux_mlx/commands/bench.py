@@ -9,11 +9,11 @@ import datetime
 import json
 import sys
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 from mlx_lm.utils import load_tokenizer
 
-from ..benchmark.decode import PAGE_CACHE_CHOICES, run_benchmark
+from ..benchmark.decode import PAGE_CACHE_CHOICES, check_page_cache, run_benchmark
 from ..benchmark.report import (
     format_table,
     machine_tag,
@@ -72,6 +72,20 @@ def _io_list(text: str) -> List[str]:
             f"{', '.join(bad) or text!r}: expected a list of {', '.join(IO_CHOICES)}"
         )
     return modes
+
+
+def _page_cache(text: str) -> Union[str, float]:
+    if lower(text) in PAGE_CACHE_CHOICES:
+        return lower(text)
+    try:
+        value = float(text)
+        check_page_cache(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected {', '.join(PAGE_CACHE_CHOICES)} or a share of the experts "
+            "in (0, 1]"
+        ) from None
+    return value
 
 
 def add_model_args(p: argparse.ArgumentParser, size: str = "small") -> None:
@@ -174,11 +188,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--page-cache",
-        choices=PAGE_CACHE_CHOICES,
+        type=_page_cache,
         default="dropped",
+        metavar="{dropped,kept,SHARE}",
         help="cold runs (budgets below 100%%): dropped = the expert files dropped from the page "
         "cache all along, as for experts many times RAM (default); kept = dropped once, then "
-        "the page cache keeps what RAM lets it keep (a model larger than RAM as it runs)",
+        "the page cache keeps what RAM lets it keep (a model larger than RAM as it runs); "
+        "SHARE (0-1] = kept, while another process holds all of RAM but that share of the "
+        "experts' bytes (Linux)",
     )
     p.add_argument("--machine", default=None, help="machine label for the results file name")
     p.add_argument(
