@@ -96,7 +96,7 @@ if part bound; then  # the store's reads of miss batches, then the default polic
   read BOUND_IO_A BOUND_IO_B <<< "${BOUND_IO:-pread}"
   for run in $(seq "${BOUND_RUNS:-2}"); do
     for io in $( ((run % 2)) && echo "$BOUND_IO_A ${BOUND_IO_B:-}" || echo "${BOUND_IO_B:-} $BOUND_IO_A"); do
-      timeout 200 "${ROUTED[@]/pread/$io}" --trace-predictor ridge --prefetch off --no-stock \
+      timeout 300 "${ROUTED[@]/pread/$io}" --trace-predictor ridge --prefetch off --no-stock \
         --machine "bound-$io-$run" --out "$OUT/bound" > "$OUT/bound_${io}_$run.txt" 2>&1
       echo "bound, $io, run $run:"; grep -E "^\| moeflux" "$OUT/bound_${io}_$run.txt"
     done
@@ -107,7 +107,7 @@ if part pagecache; then  # where uncached reads stop paying: pread with a page c
   # "page cache MB" is what it held), against direct and pread with the page cache dropped
   for run in ${PC_RUNS:-direct dropped 0.1 0.25 0.5 kept}; do
     io=pread; keep=$run; [ "$run" = direct ] && io=direct keep=kept
-    timeout 200 "${ROUTED[@]/pread/$io}" --trace-predictor ridge --prefetch off --no-stock \
+    timeout 300 "${ROUTED[@]/pread/$io}" --trace-predictor ridge --prefetch off --no-stock \
       --page-cache "$keep" --machine "pc-$run" --out "$OUT/pagecache" > "$OUT/pc_$run.txt" 2>&1
     echo "page cache $run ($io), rc $?:"; grep -E "^\| moeflux|Error" "$OUT/pc_$run.txt"
   done

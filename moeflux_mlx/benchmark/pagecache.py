@@ -138,8 +138,8 @@ class PageCacheDropper:
 
 
 # The balloon's loop, in a process of its own (the first the OOM killer takes). It keeps the
-# kernel's MemAvailable near ``leave``: it takes anonymous memory (written, so that it is really
-# taken) while more is left and gives it back when other processes need it. Page-cache pages
+# kernel's MemAvailable near ``leave``: it takes anonymous memory (a byte written a page, so that
+# it is really taken) while more is left and gives it back when other processes need it. Page-cache pages
 # count as available, so the page cache may grow into what is left but no further. It prints
 # "steady" once MemAvailable is within half a chunk of ``leave``, and at the end the most it held.
 _BALLOON = """
@@ -157,7 +157,9 @@ while not select.select([sys.stdin], [], [], period if steady else 0)[0]:
     gap = available() - leave
     if gap > chunk // 2:
         m = mmap.mmap(-1, min(chunk, gap), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        m.write(b"\1" * len(m))
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            m.madvise(mmap.MADV_HUGEPAGE)  # fewer faults: RAM fills at GB/s
+        memoryview(m)[:: mmap.PAGESIZE] = b"\1" * -(-len(m) // mmap.PAGESIZE)
         held.append(m)
         most = max(most, sum(len(h) for h in held))
     elif gap < -chunk // 2 and held:
