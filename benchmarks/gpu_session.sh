@@ -96,7 +96,7 @@ if part bound; then  # the store's reads of miss batches, then the default polic
   read BOUND_IO_A BOUND_IO_B <<< "${BOUND_IO:-pread}"
   for run in $(seq "${BOUND_RUNS:-2}"); do
     for io in $( ((run % 2)) && echo "$BOUND_IO_A ${BOUND_IO_B:-}" || echo "${BOUND_IO_B:-} $BOUND_IO_A"); do
-      timeout 300 "${ROUTED[@]/pread/$io}" --trace-predictor ridge --prefetch off --no-stock \
+      timeout 200 "${ROUTED[@]/pread/$io}" --trace-predictor ridge --prefetch off --no-stock \
         --machine "bound-$io-$run" --out "$OUT/bound" > "$OUT/bound_${io}_$run.txt" 2>&1
       echo "bound, $io, run $run:"; grep -E "^\| moeflux" "$OUT/bound_${io}_$run.txt"
     done
