@@ -85,8 +85,14 @@ def test_page_cache_kept_runs_without_the_dropper_and_says_what_it_held(
     assert 0 < run["page_cache_mb"] * 1e6 <= total
     dropped = decode.run_benchmark(packed, stock=False, **common)
     assert started and dropped["page_cache"] == "dropped"
+    # the disk's own count: the dropped run's misses all went to the disk, the kept run's
+    # repeats came from the page cache
+    gone = dropped["runs"][0]
+    if gone["disk_mb_per_token"] is not None:
+        assert gone["disk_mb_per_token"] >= 0.5 * gone["mb_read_per_token"]
+        assert run["disk_mb_per_token"] < run["mb_read_per_token"]
     md = report.write_results(kept, tmp_path, "t")[1].read_text()
-    assert "page cache MB" in md and "start cold" in md
+    assert "page cache MB" in md and "disk MB/tok" in md and "start cold" in md
     with pytest.raises(ValueError, match="page_cache"):
         decode.run_benchmark(packed, stock=False, page_cache="warm", **common)
 

@@ -31,6 +31,7 @@ from .pagecache import (
     RamBalloon,
     cached_bytes,
     cold_bandwidth,
+    device_read_bytes,
     drop_page_cache,
     expert_files,
     read_bandwidth,
@@ -92,6 +93,9 @@ class DecodeRun:
     # cold runs: the experts' bytes the page cache held when the decode ended (page_cache="kept":
     # what RAM let it keep; None: unknown)
     page_cache_mb: Optional[float] = None
+    # cold runs: what the disk holding the experts read per token (every process's reads), the
+    # rest of MB read/tok came from the page cache (None: no block device to ask)
+    disk_mb_per_token: Optional[float] = None
     peak_memory_gb: float = 0.0
     tokens: List[int] = field(default_factory=list, repr=False)
 
@@ -173,6 +177,20 @@ def _run_stock(path, prompt, decode_tokens, prepare=_as_is) -> DecodeRun:
     return run
 
 
+class _DiskReads:
+    """The bytes the disk holding ``path`` read from ``start()`` to ``since()``."""
+
+    def __init__(self, path: Path):
+        self.path, self.first = path, device_read_bytes(path)
+
+    def start(self) -> None:
+        self.first = device_read_bytes(self.path)
+
+    def since(self) -> Optional[int]:
+        now = device_read_bytes(self.path)
+        return None if now is None or self.first is None else now - self.first
+
+
 def _run_moeflux(
     path,
     prompt,
@@ -222,12 +240,20 @@ def _run_moeflux(
                 drop_page_cache(files)
             mx.reset_peak_memory()
             rt.reset_stats()
+            disk = _DiskReads(files[0]) if cold else None
+
+            def on_first():  # the timed decode starts: its counters and the disk's from zero
+                rt.reset_stats()
+                if disk is not None:
+                    disk.start()
+
             with dropping:
                 ptps, dtps, tokens, decode_s = _time_generation(
-                    model, prompt, decode_tokens, on_first=rt.reset_stats
+                    model, prompt, decode_tokens, on_first=on_first
                 )
             rt.stats_dict()  # counts what the miss server read, if any
             held = cached_bytes(files) if cold else None
+            disk_bytes = disk.since() if disk else None
         if around:
             around.append(cold_bandwidth(path))
             bandwidth = sum(around) / len(around)
@@ -262,6 +288,7 @@ def _run_moeflux(
             * (decode_s - t.sync_s - max(t.io_s, t.gpu_wait_s) - t.upload_s)
             / n,
             page_cache_mb=None if held is None else held / 1e6,
+            disk_mb_per_token=None if disk_bytes is None else disk_bytes / n / 1e6,
             peak_memory_gb=mx.get_peak_memory() / 1e9,
             tokens=tokens,
         )

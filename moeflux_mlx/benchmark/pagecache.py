@@ -67,6 +67,18 @@ def cached_bytes(files: Sequence[Path]) -> Optional[int]:
     return total
 
 
+def device_read_bytes(path: Path) -> Optional[int]:
+    """Bytes the block device holding ``path`` has read since boot, every process's reads
+    together (``/sys/dev/block/MAJOR:MINOR/stat``). None where there is no such file: not
+    Linux, or a file system on no block device."""
+    dev = os.stat(path).st_dev
+    stat = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat")
+    try:
+        return int(stat.read_text().split()[2]) * 512  # sectors of 512 bytes, whatever the disk's
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def drop_page_cache(files: Sequence[Path]) -> None:
     """Evict the files' pages from the OS page cache (clean pages; no root needed on Linux).
     Dirty pages cannot be dropped: a file just written (a model converted a moment ago) is

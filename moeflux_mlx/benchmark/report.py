@@ -65,6 +65,7 @@ COLUMNS = [
     ("decode_tps", "decode tok/s", "{:.2f}"),
     ("ratio_to_stock", "x stock", "{:.2f}"),
     ("mb_read_per_token", "MB read/tok", "{:.1f}"),
+    ("disk_mb_per_token", "disk MB/tok", "{:.1f}"),
     ("hit_rate", "hit", "{:.0%}"),
     ("prefetch_issued_per_token", "read ahead/tok", "{:.1f}"),
     ("prefetch_hits_per_token", "prefetched/tok", "{:.1f}"),
