@@ -104,7 +104,8 @@ if part bound; then  # the store's reads of miss batches, then the default polic
 fi
 if part pagecache; then  # where uncached reads stop paying: pread with a page cache of a share
   # of the experts (bench --page-cache SHARE: another process holds all of RAM but that share;
-  # "page cache MB" is what it held), against direct and pread with the page cache dropped
+  # "page cache MB" is what it held), against direct and pread with the page cache dropped.
+  # A run takes up to 300 s (filling a VM's RAM twice): split PC_RUNS over device calls
   for run in ${PC_RUNS:-direct dropped 0.1 0.25 0.5 kept}; do
     io=pread; keep=$run; [ "$run" = direct ] && io=direct keep=kept
     timeout 300 "${ROUTED[@]/pread/$io}" --trace-predictor ridge --prefetch off --no-stock \

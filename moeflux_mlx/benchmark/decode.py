@@ -30,6 +30,7 @@ from .pagecache import (
     PageCacheDropper,
     RamBalloon,
     cached_bytes,
+    can_hold_ram,
     cold_bandwidth,
     device_read_bytes,
     drop_page_cache,
@@ -55,6 +56,10 @@ def check_page_cache(page_cache: Union[str, float]) -> None:
             )
     elif not 0 < page_cache <= 1:
         raise ValueError(f"page_cache {page_cache}: a share of the experts must be in (0, 1]")
+    else:
+        why = can_hold_ram()
+        if why:
+            raise ValueError(f"page_cache {page_cache}: {why}")
 
 
 @dataclass
@@ -93,9 +98,11 @@ class DecodeRun:
     # cold runs: the experts' bytes the page cache held when the decode ended (page_cache="kept":
     # what RAM let it keep; None: unknown)
     page_cache_mb: Optional[float] = None
-    # cold runs: what the disk holding the experts read per token (every process's reads), the
-    # rest of MB read/tok came from the page cache (None: no block device to ask)
+    # cold runs: what the disk holding the experts read per token (every process's reads, whole
+    # pages); roughly, the rest of MB read/tok came from the page cache (None: no block device)
     disk_mb_per_token: Optional[float] = None
+    # page_cache=SHARE: the most RAM the balloon held to leave the page cache that share
+    ram_held_gb: Optional[float] = None
     peak_memory_gb: float = 0.0
     tokens: List[int] = field(default_factory=list, repr=False)
 
@@ -235,7 +242,7 @@ def _run_moeflux(
             if cold and not isinstance(page_cache, str)
             else contextlib.nullcontext()
         )
-        with ram:
+        with ram:  # held from before the drop to after the count of what the page cache held
             if cold:
                 drop_page_cache(files)
             mx.reset_peak_memory()
@@ -288,6 +295,7 @@ def _run_moeflux(
             * (decode_s - t.sync_s - max(t.io_s, t.gpu_wait_s) - t.upload_s)
             / n,
             page_cache_mb=None if held is None else held / 1e6,
+            ram_held_gb=ram.held_bytes / 1e9 if isinstance(ram, RamBalloon) else None,
             disk_mb_per_token=None if disk_bytes is None else disk_bytes / n / 1e6,
             peak_memory_gb=mx.get_peak_memory() / 1e9,
             tokens=tokens,
@@ -295,8 +303,10 @@ def _run_moeflux(
         if around:
             run.cold_gb_s = bandwidth / 1e9
             run.cold_gb_s_before_after = [b / 1e9 for b in around]
-        if t.bytes_read and bandwidth:
-            run.io_bound_tps = bandwidth / (t.bytes_read / n)
+        # the bound is the disk's: with the page cache kept, what the disk itself read
+        from_disk = t.bytes_read if page_cache == "dropped" else disk_bytes
+        if from_disk and bandwidth:
+            run.io_bound_tps = bandwidth / (from_disk / n)
             run.fraction_of_io_bound = dtps / run.io_bound_tps
         return run
     finally:
@@ -455,7 +465,7 @@ def run_benchmark(
     ``prompt``: token ids to start from (the first ``prompt_tokens``; default: random ids), so a
     trained model decodes text and routes as it would for a user. ``page_cache``: ``dropped``
     (the cold runs' page cache is dropped all along, as for experts many times RAM), ``kept``
-    (dropped once before the decode; then it keeps what RAM lets it keep: a model larger than
+    (dropped once before the prompt; then it keeps what RAM lets it keep: a model larger than
     RAM as it runs), or a share in (0, 1]: kept, while a process holds all of RAM but that
     share of the experts' bytes (``RamBalloon``; Linux): experts a few times RAM, on a machine
     whose RAM holds them all."""

@@ -95,67 +95,118 @@ def drop_page_cache(files: Sequence[Path]) -> None:
             os.close(fd)
 
 
-# The dropper's loop, in a process of its own: a thread of the benchmark's process needs the GIL
-# every period, so how often it ran depended on what the decoding thread was doing (a decode
-# that held the GIL kept its reads warm), and each wake-up took the GIL from the decode being
-# timed. It sleeps in select() on stdin, which the benchmark closes to stop it (or dies).
+class _Helper:
+    """A loop in a process of its own beside the decode (``script``, run with ``args``): it
+    ignores Ctrl-C (the benchmark stops it), prints "ready" once it is doing its job, and runs
+    until its stdin closes, then prints its last line. ``__enter__`` waits for "ready"; a
+    failure of the helper is raised only when nothing else is already on its way up."""
+
+    what = "helper"
+
+    def __init__(self, script: str, args: Sequence[str], timeout_s: float):
+        self.script, self.args, self.timeout_s = script, list(args), timeout_s
+        self._proc: Optional[subprocess.Popen] = None
+
+    def __enter__(self):
+        self._proc = proc = subprocess.Popen(
+            [sys.executable, "-c", self.script, *self.args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout is not None
+        try:
+            ready = select.select([proc.stdout], [], [], self.timeout_s)[0]
+            line = proc.stdout.readline().strip() if ready else ""
+        except BaseException:
+            self._stop()
+            raise
+        if line != "ready":
+            self._stop()
+            why = (
+                f"exited with code {proc.returncode}"
+                if proc.returncode is not None
+                else f"was not ready within {self.timeout_s:.0f} s"
+            )
+            raise RuntimeError(f"the {self.what} {why}")
+        return self
+
+    def _stop(self) -> str:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return ""
+        try:
+            out, _ = proc.communicate(timeout=30)  # closes its stdin: the signal to stop
+        except BaseException:
+            proc.kill()  # never left behind
+            proc.wait()
+            raise
+        return out if proc.returncode == 0 else ""
+
+    def __exit__(self, exc_type, *exc):
+        last = self._stop().split()
+        if exc_type is None:
+            if not last:
+                raise RuntimeError(f"the {self.what} died before it was told to stop")
+            self.finished(last)
+
+    def finished(self, last: List[str]) -> None:
+        """Reads the helper's last line."""
+
+
+# The dropper's loop: a thread of the benchmark's process needs the GIL every period, so how
+# often it ran depended on what the decoding thread was doing (a decode that held the GIL kept
+# its reads warm), and each wake-up took the GIL from the decode being timed. It sleeps in
+# select() on stdin, which the benchmark closes to stop it.
 _DROPPER = """
-import os, select, sys
+import os, select, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
 period = float(sys.argv[1])
 fds = [os.open(f, os.O_RDONLY) for f in sys.argv[2:]]
 drops = 0
-while not select.select([sys.stdin], [], [], period)[0]:
+while True:
     for fd in fds:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     drops += 1
+    if drops == 1:
+        print("ready", flush=True)
+    if select.select([sys.stdin], [], [], period)[0]:
+        break
 print(drops, flush=True)
 """
 
 
-class PageCacheDropper:
+class PageCacheDropper(_Helper):
     """Drops the files' pages from the page cache every ``period_s``, in a process of its own,
     for as long as it runs: reads that follow are cold, as if the experts were many times RAM.
 
     Nothing is excluded from the timed region: the drops run beside the decode, on a core of
     their own, sharing nothing with it but the kernel's page cache. Mapped pages cannot be
     dropped this way (mmap runs are cold only at their start). ``drops``: how many rounds of
-    drops it made, known once it has stopped."""
+    drops it made, known once it has stopped.
+
+    Raises:
+        RuntimeError: the dropper failed."""
+
+    what = "page-cache dropper"
 
     def __init__(self, files: Sequence[Path], period_s: float = 1e-3):
-        self.files, self.period_s = list(files), period_s
+        super().__init__(_DROPPER, [str(period_s), *map(str, files)], timeout_s=60)
         self.drops = 0
-        self._proc: Optional[subprocess.Popen] = None
 
-    def __enter__(self):
-        drop_page_cache(self.files)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", _DROPPER, str(self.period_s), *map(str, self.files)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        return self
-
-    def __exit__(self, *exc):
-        proc, self._proc = self._proc, None
-        try:
-            out, _ = proc.communicate(timeout=10)  # closes its stdin: the signal to stop
-        except subprocess.TimeoutExpired:
-            proc.kill()  # never left behind dropping pages
-            proc.wait()
-            raise
-        if proc.returncode:
-            raise RuntimeError(f"the page-cache dropper failed (exit code {proc.returncode})")
-        self.drops = int(out.split()[-1])
+    def finished(self, last: List[str]) -> None:
+        self.drops = int(last[-1])
 
 
-# The balloon's loop, in a process of its own (the first the OOM killer takes). It keeps the
-# kernel's MemAvailable near ``leave``: it takes anonymous memory (a byte written a page, so that
-# it is really taken) while more is left and gives it back when other processes need it. Page-cache pages
-# count as available, so the page cache may grow into what is left but no further. It prints
-# "steady" once MemAvailable is within half a chunk of ``leave``, and at the end the most it held.
+# The balloon's loop (the first process the OOM killer takes). It keeps the kernel's
+# MemAvailable near ``leave``: it takes anonymous memory (a byte written a page, so that it is
+# really taken) while more is left and gives it back when other processes need it. Page-cache
+# pages count as available, so the page cache may grow into what is left but no further. It
+# prints "ready" once MemAvailable is within half a chunk of ``leave`` (or below it, holding
+# nothing), and at the end the most it held.
 _BALLOON = """
-import mmap, select, sys
+import mmap, select, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
 leave, period, chunk = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
 with open("/proc/self/oom_score_adj", "w") as f:
     f.write("1000")
@@ -169,8 +220,10 @@ while not select.select([sys.stdin], [], [], period if steady else 0)[0]:
     gap = available() - leave
     if gap > chunk // 2:
         m = mmap.mmap(-1, min(chunk, gap), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
             m.madvise(mmap.MADV_HUGEPAGE)  # fewer faults: RAM fills at GB/s
+        except (AttributeError, OSError):  # no transparent huge pages here
+            pass
         memoryview(m)[:: mmap.PAGESIZE] = b"\1" * -(-len(m) // mmap.PAGESIZE)
         held.append(m)
         most = max(most, sum(len(h) for h in held))
@@ -178,71 +231,56 @@ while not select.select([sys.stdin], [], [], period if steady else 0)[0]:
         held.pop().close()
     elif not steady:
         steady = True
-        print("steady", flush=True)
+        print("ready", flush=True)
 print("held", most, flush=True)
 """
 
 
-class RamBalloon:
+def can_hold_ram() -> Optional[str]:
+    """Why ``RamBalloon`` cannot do its job here (None: it can): it reads Linux's
+    ``/proc/meminfo``, and swap would let the kernel move what it holds out of RAM."""
+    try:
+        with open("/proc/meminfo") as f:
+            swap = next((line for line in f if line.startswith("SwapTotal:")), "")
+    except OSError:
+        return "holding RAM needs Linux's /proc/meminfo"
+    if swap and int(swap.split()[1]):
+        return "swap is on: the kernel would move the held memory out of RAM (swapoff -a first)"
+    return None
+
+
+class RamBalloon(_Helper):
     """Holds all of RAM but about ``leave_bytes`` in a process of its own, for as long as it
-    runs, so that the page cache can keep no more than that: a model whose experts are a few
-    times RAM, on a machine whose RAM holds them all. It gives memory back as other processes
-    need it, and is the first process the OOM killer takes. Linux only (``/proc/meminfo``).
+    runs, so that the page cache can keep no more than that (less, as it also holds every other
+    file's cached pages): a model whose experts are a few times RAM, on a machine whose RAM
+    holds them all. It gives memory back as other processes need it, and is the first process
+    the OOM killer takes. Linux without swap (``can_hold_ram``); a memory limit on a container
+    is not seen.
 
     ``held_bytes``: the most it held, known once it has stopped.
 
     Raises:
-        RuntimeError: it could not start, or did not settle within ``timeout_s``."""
+        RuntimeError: it cannot run here, exited, or was not ready within ``timeout_s``."""
+
+    what = "RAM balloon"
 
     def __init__(
         self,
         leave_bytes: int,
         period_s: float = 0.05,
         chunk_bytes: int = 64 << 20,
-        timeout_s: float = 300.0,
+        timeout_s: float = 150.0,
     ):
-        if not os.path.exists("/proc/meminfo"):
-            raise RuntimeError("holding RAM needs Linux's /proc/meminfo")
-        self.leave, self.period_s, self.chunk = int(leave_bytes), period_s, chunk_bytes
-        self.timeout_s = timeout_s
-        self.held_bytes = 0
-        self._proc: Optional[subprocess.Popen] = None
-
-    def __enter__(self):
-        args = [str(self.leave), str(self.period_s), str(self.chunk)]
-        self._proc = proc = subprocess.Popen(
-            [sys.executable, "-c", _BALLOON, *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
+        why = can_hold_ram()
+        if why:
+            raise RuntimeError(why)
+        super().__init__(
+            _BALLOON, [str(int(leave_bytes)), str(period_s), str(chunk_bytes)], timeout_s
         )
-        assert proc.stdout is not None
-        ready = select.select([proc.stdout], [], [], self.timeout_s)[0]
-        if not ready or proc.stdout.readline().strip() != "steady":
-            self._stop()
-            raise RuntimeError(
-                f"the RAM balloon did not settle within {self.timeout_s:.0f} s "
-                f"(exit code {proc.returncode})"
-            )
-        return self
+        self.held_bytes = 0
 
-    def _stop(self) -> str:
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return ""
-        try:
-            out, _ = proc.communicate(timeout=30)  # closes its stdin: the signal to stop
-        except subprocess.TimeoutExpired:
-            proc.kill()  # never left behind holding memory
-            proc.wait()
-            raise
-        return out
-
-    def __exit__(self, *exc):
-        words = self._stop().split()
-        if words[-2:-1] != ["held"]:
-            raise RuntimeError("the RAM balloon died (the OOM killer takes it first)")
-        self.held_bytes = int(words[-1])
+    def finished(self, last: List[str]) -> None:
+        self.held_bytes = int(last[-1])
 
 
 # the most experts of one layer that one store call reads when measuring the disk's rate: a miss

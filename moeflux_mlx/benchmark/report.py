@@ -79,6 +79,7 @@ COLUMNS = [
     ("io_bound_tps", "I/O bound tok/s", "{:.1f}"),
     ("fraction_of_io_bound", "of bound", "{:.0%}"),
     ("page_cache_mb", "page cache MB", "{:.0f}"),
+    ("ram_held_gb", "RAM held GB", "{:.1f}"),
     ("peak_memory_gb", "peak GB", "{:.2f}"),
 ]
 
@@ -159,7 +160,8 @@ COLD_RUNS = {
     "RAM); mmap runs are cold only at their start (mapped pages cannot be dropped).",
     "kept": "Budgets below 100% start cold (the expert files dropped from the page cache), then "
     "the page cache keeps what RAM lets it keep; 'page cache MB' says how much of the experts "
-    "it held at the end.",
+    "it held at the end, 'disk MB/tok' what the disk read, and the I/O bound is the disk's "
+    "(its cold rate for what it read).",
 }
 
 
@@ -168,9 +170,10 @@ def cold_runs(page_cache) -> str:
     if isinstance(page_cache, str):
         return COLD_RUNS[page_cache]
     return (
-        COLD_RUNS["kept"][:-1] + f", while another process held all of RAM but "
-        f"{page_cache:.0%} of the experts' bytes (as for experts {1 / page_cache:.1f}x the "
-        "RAM left to the page cache)."
+        COLD_RUNS["kept"]
+        + f" Meanwhile another process held all of RAM but {page_cache:.0%} of the experts' "
+        f"bytes ('RAM held GB'), as for experts {1 / page_cache:.1f}x the RAM left to the page "
+        "cache (at most: other files' cached pages share what is left)."
     )
 
 
