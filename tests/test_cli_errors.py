@@ -70,6 +70,12 @@ def _env(tmp_path=None, **extra) -> dict:
     return env
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """A child's SIGINT as a terminal gives it, even when the test runner ignores SIGINT (a
+    shell's background job does; Python then never turns it into KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_cli(*args, env=None, stdin=None, cwd=None, timeout=TIMEOUT) -> subprocess.CompletedProcess:
     """``moeflux-mlx ARGS`` as a user runs it (``python -m moeflux_mlx.cli``)."""
     return subprocess.run(
@@ -324,6 +330,7 @@ def test_convert_ctrl_c_says_where_the_partial_is_and_a_rerun_resumes(models, tm
         stderr=subprocess.PIPE,
         text=True,
         env=_env(),
+        preexec_fn=_ctrl_c_as_in_a_terminal,
     )
     deadline = time.monotonic() + 60
     while not list((partial / PACKED_DIR).glob("layer_*.bin")):  # one layer done, then Ctrl-C
@@ -566,6 +573,7 @@ def test_ctrl_c_is_one_line_and_exit_130(models):
         stderr=subprocess.PIPE,
         text=True,
         env=_env(),
+        preexec_fn=_ctrl_c_as_in_a_terminal,
     )
     time.sleep(0.5)
     deadline = time.monotonic() + 60
