@@ -378,6 +378,10 @@ class Server:
                 self.answer_host(int(i))
                 worked = True
             for i in c.pending():
+                # a hint written before this request but after the check above: take it first,
+                # or the request is answered without the later tokens' experts it names
+                if (c.hints != self.hints_seen).any():
+                    self.take_hints()
                 self.answer_gpu(int(i))
                 worked = True
             if self.releases:
