@@ -188,7 +188,8 @@ class _DiskReads:
     """The bytes the disk holding ``path`` read from ``start()`` to ``since()``."""
 
     def __init__(self, path: Path):
-        self.path, self.first = path, device_read_bytes(path)
+        self.path = path
+        self.first: Optional[int] = None  # set when the timed decode starts
 
     def start(self) -> None:
         self.first = device_read_bytes(self.path)

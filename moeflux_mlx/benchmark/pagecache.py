@@ -215,7 +215,7 @@ def available():
         for line in f:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
-held, most, steady = [], 0, False
+held, size, most, steady = [], 0, 0, False
 while not select.select([sys.stdin], [], [], period if steady else 0)[0]:
     gap = available() - leave
     if gap > chunk // 2:
@@ -226,8 +226,10 @@ while not select.select([sys.stdin], [], [], period if steady else 0)[0]:
             pass
         memoryview(m)[:: mmap.PAGESIZE] = b"\1" * -(-len(m) // mmap.PAGESIZE)
         held.append(m)
-        most = max(most, sum(len(h) for h in held))
+        size += len(m)
+        most = max(most, size)
     elif gap < -chunk // 2 and held:
+        size -= len(held[-1])
         held.pop().close()
     elif not steady:
         steady = True

@@ -371,17 +371,16 @@ class Server:
         poll_s = self.poll_s
         while self.alive and not c.globals[G_STOP]:
             worked = False
+            # the requests first, then the hints: a hint written before a request seen here is
+            # taken before that request is answered, with the later tokens' experts it names
+            gpu_pending = c.pending()
             if (c.hints != self.hints_seen).any():
                 self.take_hints()
                 worked = True
             for i in c.host_pending():
                 self.answer_host(int(i))
                 worked = True
-            for i in c.pending():
-                # a hint written before this request but after the check above: take it first,
-                # or the request is answered without the later tokens' experts it names
-                if (c.hints != self.hints_seen).any():
-                    self.take_hints()
+            for i in gpu_pending:
                 self.answer_gpu(int(i))
                 worked = True
             if self.releases:
