@@ -14,7 +14,8 @@ and page-cache state, right after the prefill), and the overhead beyond the read
 stock - read time. ``--prefill-whole-layer 4,0`` runs the option's values side by side (0: one
 host sync per layer and call, the path before whole-layer reads); ``--read-ahead on,off`` and
 ``--threads 8,16`` run whole-layer reads with and without the next layer read in the background,
-and with that many read threads. Writes
+and with that many read threads; ``--dma on,off`` with the layers copied to the GPU by its copy
+engines or by a kernel. Writes
 ``DATE-MACHINE-prefill.{md,json}`` to ``--out`` (never overwriting).
 """
 
@@ -98,12 +99,13 @@ class ReadLog:
 
 
 def _variants(args):
-    """(prefill_whole_layer, read ahead, threads) of each moeflux configuration: read-ahead
-    variants only where layers are read whole."""
+    """(prefill_whole_layer, read ahead, copy engines, threads) of each moeflux configuration:
+    read-ahead and copy-engine variants only where layers are read whole."""
     for whole in args.prefill_whole_layer:
         for ahead in args.read_ahead if whole else args.read_ahead[:1]:
-            for threads in args.threads:
-                yield whole, ahead, threads
+            for dma in args.dma if whole else args.dma[:1]:
+                for threads in args.threads:
+                    yield whole, ahead, dma, threads
 
 
 def _switches(text: str):
@@ -125,11 +127,12 @@ def run(args) -> dict:
     logs = {}
     for io in args.io:
         for frac in args.budgets:
-            for whole, ahead, threads in _variants(args):
+            for whole, ahead, dma, threads in _variants(args):
                 budget = "all" if frac >= 1 else int(frac * total)
                 # the caches read these options when they are made (LoadOptions)
                 os.environ["MOEFLUX_PREFILL_WHOLE_LAYER"] = f"{whole:g}"
                 os.environ["MOEFLUX_PREFILL_READ_AHEAD"] = "on" if ahead else "off"
+                os.environ["MOEFLUX_PREFILL_DMA"] = "on" if dma else "off"
                 m, _ = moeflux_mlx.load(
                     path,
                     expert_io=io,
@@ -140,6 +143,8 @@ def run(args) -> dict:
                 name = f"moeflux {m.moeflux.store.io_mode} {frac:.0%} whole={whole:g}"
                 if whole and len(args.read_ahead) > 1:
                     name += " ahead" if ahead else " no ahead"
+                if whole and len(args.dma) > 1:
+                    name += " copy engines" if dma else " copy kernel"
                 if len(args.threads) > 1:
                     name += f" {threads} threads"
                 models[name] = m
@@ -279,6 +284,13 @@ def main(argv=None) -> int:
         type=_switches,
         default=[True],
         help="on,off: whole-layer reads with and without the next layer read ahead (default on)",
+    )
+    p.add_argument(
+        "--dma",
+        type=_switches,
+        default=[True],
+        help="on,off: whole layers to the GPU on its copy engines, or by a copy kernel out of "
+        "mapped staging (the load option prefill_dma; default on)",
     )
     p.add_argument("--threads", type=_ints, default=[8], help="read threads, e.g. 8,16 (default 8)")
     p.add_argument("--bench-backend", default=None, help="expert backend (default: auto)")

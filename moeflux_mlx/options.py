@@ -20,6 +20,8 @@ Plain Python: the miss server process imports it without MLX.
                                                       whole layer without a host sync (0: never)
     MOEFLUX_PREFILL_READ_AHEAD   prefill_read_ahead   0/off | 1/on (default): such a prefill reads
                                                       the next layer while this one computes
+    MOEFLUX_PREFILL_DMA          prefill_dma          0/off | 1/on (default): on CUDA such a prefill
+                                                      uploads its layers on the copy engines
 
 Cache budgets (``parse_budget``): ``"all"``, ``0``, a fraction of RAM in (0, 1] (``0.25``), or a
 size with a unit: ``B``, SI ``kB`` ``MB`` ``GB`` ``TB`` (powers of 1000) or binary ``KiB`` ``MiB``
@@ -101,6 +103,7 @@ ENVIRONMENT: Dict[str, Tuple[str, Callable[[str], Any]]] = {
     "server_poll_max_us": ("MOEFLUX_SERVER_POLL_MAX_US", _number(0, strict_minimum=False)),
     "prefill_whole_layer": ("MOEFLUX_PREFILL_WHOLE_LAYER", _number(0, strict_minimum=False)),
     "prefill_read_ahead": ("MOEFLUX_PREFILL_READ_AHEAD", _switch),
+    "prefill_dma": ("MOEFLUX_PREFILL_DMA", _switch),
 }
 # a call routing at least this many (token, expert) rows per expert of its layer names nearly
 # every expert (1 - e^-4 = 98% at uniform routing): reading the whole layer costs few extra bytes
@@ -174,6 +177,10 @@ class LoadOptions:
             read is taken, in the background, so the reads run back to back while the device
             computes (a layer is read ahead only while it takes at most a quarter of the
             memory available).
+        prefill_dma: with device slot writes (CUDA), such a prefill's layers are read into
+            page-locked memory and copied to the device by the GPU's copy engines, piece by
+            piece as they are read, beside the computation; off: a copy kernel reads them out of
+            mapped host staging, on the GPU's cores.
         table_every_layer: benchmarks only: fully cached layers are looked up through the
             device-side table too, to measure what the lookup itself costs.
     """
@@ -191,6 +198,7 @@ class LoadOptions:
     server_poll_max_us: float = 1000.0
     prefill_whole_layer: float = DEFAULT_PREFILL_WHOLE_LAYER
     prefill_read_ahead: bool = True
+    prefill_dma: bool = True
     table_every_layer: bool = False
 
     @classmethod

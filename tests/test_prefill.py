@@ -20,6 +20,17 @@ from moeflux_mlx.options import LoadOptions
 ROWS = 2.0  # the tiny models route 4 of 16 experts: a 40-token prompt has 10 rows per expert
 
 
+# how slots and whole layers are written: from the host; through device staging, a prefill's
+# layers by copies beside MLX (the GPU's copy engines; host copies on the CPU); or through device
+# staging and a copy kernel
+WRITES = ["host", "device", "device-kernel"]
+
+
+def _set_writes(monkeypatch, writes):
+    monkeypatch.setenv("MOEFLUX_SLOT_WRITES", writes.split("-")[0])
+    monkeypatch.setenv("MOEFLUX_PREFILL_DMA", "off" if writes == "device-kernel" else "on")
+
+
 def _prompt(n=40):
     return mx.array(np.random.default_rng(0).integers(0, 256, n).astype(np.uint32))
 
@@ -63,13 +74,13 @@ def _load(monkeypatch, packed, whole, fraction=0.25, **kw):
     return moeflux_mlx.load(packed, cache_budget=_budget(packed, fraction), **kw)[0]
 
 
-@pytest.mark.parametrize("writes", ["host", "device"])
+@pytest.mark.parametrize("writes", WRITES)
 @pytest.mark.parametrize("budget", [0.25, 0.0])
 def test_whole_layer_prefill_is_bit_identical(tiny, monkeypatch, writes, budget):
     """Logits of a prefill through whole-layer reads equal stock mlx-lm's and the synced
     path's bit for bit; greedy decode after it too; no host sync in the prefill."""
     packed, prompt, want_logits, want_tokens = tiny
-    monkeypatch.setenv("MOEFLUX_SLOT_WRITES", writes)
+    _set_writes(monkeypatch, writes)
     got = {}
     for whole in (ROWS, 0.0):
         model = _load(monkeypatch, packed, whole, budget)
@@ -140,12 +151,12 @@ def _fault_preadv(monkeypatch, after: int):
 
 
 @pytest.mark.parametrize("after", [0, 3])
-@pytest.mark.parametrize("writes", ["host", "device"])
+@pytest.mark.parametrize("writes", WRITES)
 def test_read_fault_mid_whole_layer(tiny, monkeypatch, after, writes):
     """A disk error while a layer is read whole raises from the prefill; nothing read before it
     is taken for the experts afterwards: the same model then prefills and decodes exactly."""
     packed, prompt, want_logits, want_tokens = tiny
-    monkeypatch.setenv("MOEFLUX_SLOT_WRITES", writes)
+    _set_writes(monkeypatch, writes)
     model = _load(monkeypatch, packed, ROWS, expert_io="pread")
     with model.moeflux:
         restore = _fault_preadv(monkeypatch, after)
@@ -156,7 +167,7 @@ def test_read_fault_mid_whole_layer(tiny, monkeypatch, after, writes):
         assert _greedy(model, prompt) == want_tokens
 
 
-@pytest.mark.parametrize("writes", ["host", "device"])
+@pytest.mark.parametrize("writes", WRITES)
 def test_a_call_beyond_the_slots_reads_only_what_they_lack(
     tiny, tiny_checkpoints, monkeypatch, writes
 ):
@@ -167,7 +178,7 @@ def test_a_call_beyond_the_slots_reads_only_what_they_lack(
     packed, prompt, _, want_tokens = tiny
     stock, _ = mlx_lm.load(str(tiny_checkpoints["qwen3_moe"][0]))
     want = _split_logits(stock, prompt, 3)[0]
-    monkeypatch.setenv("MOEFLUX_SLOT_WRITES", writes)
+    _set_writes(monkeypatch, writes)
     # every call synced; ops: on a GPU a 3-token call would run the fused kernels, whose bf16
     # rounding is not stock's
     model = _load(monkeypatch, packed, 0, device_table=False, backend="ops")
@@ -223,13 +234,13 @@ def _read_ahead_log(monkeypatch, on_start=None):
     return started
 
 
-@pytest.mark.parametrize("writes", ["host", "device"])
+@pytest.mark.parametrize("writes", WRITES)
 @pytest.mark.parametrize("ahead", [True, False])
 def test_next_layer_is_read_ahead(tiny, monkeypatch, writes, ahead):
     """With read-ahead on, every layer after the first is read while the one before computes
     and taken from that read; off, none. Bit-identical either way."""
     packed, prompt, want_logits, want_tokens = tiny
-    monkeypatch.setenv("MOEFLUX_SLOT_WRITES", writes)
+    _set_writes(monkeypatch, writes)
     monkeypatch.setenv("MOEFLUX_PREFILL_READ_AHEAD", "on" if ahead else "off")
     started = _read_ahead_log(monkeypatch)
     model = _load(monkeypatch, packed, ROWS, expert_io="pread")
@@ -254,12 +265,12 @@ def test_read_ahead_option(monkeypatch):
         LoadOptions.resolve()
 
 
-@pytest.mark.parametrize("writes", ["host", "device"])
+@pytest.mark.parametrize("writes", WRITES)
 def test_failed_read_ahead_is_read_again(tiny, monkeypatch, writes):
     """A read ahead that fails once (a passing fault) is read again by the call that needs the
     layer: the prefill is exact and nothing is half-taken."""
     packed, prompt, want_logits, want_tokens = tiny
-    monkeypatch.setenv("MOEFLUX_SLOT_WRITES", writes)
+    _set_writes(monkeypatch, writes)
     armed, failed = [], []
     _read_ahead_log(monkeypatch, on_start=armed.append)
     model = _load(monkeypatch, packed, ROWS, expert_io="pread")
@@ -321,10 +332,10 @@ def test_interrupt_while_a_read_ahead_runs(tiny, monkeypatch):
 
     real_fill = whole_layer._fill
 
-    def slow_fill(store, layer, blobs, views):
+    def slow_fill(store, read, copies):
         if not interrupted:
             _time.sleep(0.5)
-        real_fill(store, layer, blobs, views)
+        real_fill(store, read, copies)
 
     monkeypatch.setattr(whole_layer, "_fill", slow_fill)
     armed = []
@@ -342,3 +353,119 @@ def test_interrupt_while_a_read_ahead_runs(tiny, monkeypatch):
         assert interrupted and ahead is not None and not ahead.future.done()  # still tracked
         assert mx.array_equal(_prefill_logits(model, prompt), want_logits).item()
         assert _greedy(model, prompt) == want_tokens
+
+
+def test_host_row_copies_copy_strided_rows():
+    """``HostRowCopies`` copies ``rows`` rows of ``width`` bytes between pitches, as
+    ``cudaMemcpy2DAsync`` does, and nothing outside them."""
+    from moeflux_mlx.cache.row_copies import HostRowCopies
+
+    copies = HostRowCopies()
+    src = copies.buffer(5 * 24)
+    src.array[:] = np.arange(5 * 24) % 251
+    dst = np.zeros((5, 7), np.uint8)
+    guard = np.full(8, 77, np.uint8)  # right after dst in a buffer of its own
+    both = np.concatenate([dst.reshape(-1), guard])
+    copies.copy_rows(both.ctypes.data, 7, src.array.ctypes.data + 3, 24, 7, 5)
+    copies.wait()
+    want = src.array.reshape(5, 24)[:, 3:10]
+    assert np.array_equal(both[:35].reshape(5, 7), want)
+    assert (both[35:] == 77).all()
+    copies.copy_rows(both.ctypes.data, 7, src.array.ctypes.data, 24, 7, 0)  # no rows: nothing
+
+
+def _log_copies(monkeypatch, events):
+    """Each piece's read and its copies, in order, and the buffers a read lets go."""
+    from moeflux_mlx.cache import row_copies
+
+    real_copy, real_buffer = row_copies.HostRowCopies.copy_rows, row_copies.HostRowCopies.buffer
+
+    def copy_rows(self, dst, dst_pitch, src, src_pitch, width, rows):
+        events.append(("copy", rows))
+        real_copy(self, dst, dst_pitch, src, src_pitch, width, rows)
+
+    def buffer(self, nbytes):
+        buf = real_buffer(self, nbytes)
+        real_close = buf.close
+
+        def close():
+            events.append(("close", nbytes))
+            real_close()
+
+        buf.close = close
+        events.append(("buffer", nbytes))
+        return buf
+
+    monkeypatch.setattr(row_copies.HostRowCopies, "copy_rows", copy_rows)
+    monkeypatch.setattr(row_copies.HostRowCopies, "buffer", buffer)
+
+
+def test_copies_follow_each_piece_read(tiny, monkeypatch):
+    """With copies beside MLX each piece of a layer is copied as soon as it is read, every
+    component of every expert once; a layer too large to keep a buffer for gets one of its own,
+    let go after its read. The prefill is exact."""
+    from moeflux_mlx.cache import whole_layer
+
+    packed, prompt, want_logits, want_tokens = tiny
+    _set_writes(monkeypatch, "device")
+    layout = expert_layout(packed)
+    first = layout.layers[min(layout.layers)]
+    monkeypatch.setattr(whole_layer, "COPY_PIECE_BYTES", 3 * first.blob_size)
+    monkeypatch.setattr(whole_layer, "STAGING_KEEP_BYTES", 0)  # every layer: a buffer of its own
+    events = []
+    _log_copies(monkeypatch, events)
+    model = _load(monkeypatch, packed, ROWS, expert_io="pread")
+    with model.moeflux as rt:
+        real_read = rt.store.read
+
+        def read(layer, experts, out=None):
+            events.append(("read", len(experts)))
+            return real_read(layer, experts, out)
+
+        monkeypatch.setattr(rt.store, "read", read)
+        assert mx.array_equal(_prefill_logits(model, prompt), want_logits).item()
+        n_comp = len(first.components)
+        n = first.num_experts
+        pieces = [min(3, n - lo) for lo in range(0, n, 3)]
+        per_layer = []
+        for p in pieces:
+            per_layer += [("read", p)] + [("copy", p)] * n_comp
+        nbytes = n * first.blob_size
+        layer_events = [e for e in events if e[0] in ("read", "copy")]
+        assert layer_events == per_layer * len(layout.layers)
+        assert events.count(("buffer", nbytes)) == events.count(("close", nbytes))
+        assert events.count(("buffer", nbytes)) == len(layout.layers)
+        assert _greedy(model, prompt) == want_tokens
+
+
+def test_a_failed_piece_waits_for_the_copies_queued(tiny, monkeypatch):
+    """A read failing after some pieces were copied waits for those copies and lets its own
+    buffer go before the error is raised."""
+    from moeflux_mlx.cache import row_copies, whole_layer
+
+    packed, prompt, want_logits, _ = tiny
+    _set_writes(monkeypatch, "device")
+    first = expert_layout(packed).layers[0]
+    monkeypatch.setattr(whole_layer, "COPY_PIECE_BYTES", 3 * first.blob_size)
+    monkeypatch.setattr(whole_layer, "STAGING_KEEP_BYTES", 0)
+    monkeypatch.setenv("MOEFLUX_PREFILL_READ_AHEAD", "off")  # the first failure raises
+    events = []
+    _log_copies(monkeypatch, events)
+    monkeypatch.setattr(row_copies.HostRowCopies, "wait", lambda self: events.append(("wait",)))
+    model = _load(monkeypatch, packed, ROWS, expert_io="pread")
+    with model.moeflux as rt:
+        real_read = rt.store.read
+
+        def read(layer, experts, out=None):
+            if experts[0] == 3:  # the second piece of the first layer
+                raise ExpertReadError("expert file: Input/output error")
+            return real_read(layer, experts, out)
+
+        monkeypatch.setattr(rt.store, "read", read)
+        with pytest.raises(ExpertReadError):
+            _prefill_logits(model, prompt)
+        nbytes = first.num_experts * first.blob_size
+        # the read ahead is off: the call reads, fails, reads again on its thread and fails
+        tail = [e for e in events if e[0] in ("copy", "wait", "close")]
+        once = [("copy", 3)] * len(first.components) + [("wait",), ("close", nbytes)]
+        assert tail == once * 2

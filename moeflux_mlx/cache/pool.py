@@ -20,6 +20,7 @@ import numpy as np
 
 from ..format.layout import ExpertLayout, Quantization
 from ..stats import LayerStats
+from .row_copies import RowCopies
 
 MX_DTYPES = {
     "U8": mx.uint8,
@@ -77,10 +78,13 @@ class DeviceStaging:
 
     Safe to share for the same reason a pool is safe to rewrite (``cache.budget``'s write
     ordering). Requests over ``STAGING_KEEP_BYTES`` (prefill) get a buffer of their own that is
-    not kept. ``allocate(shape)``: a uint8 MLX array the GPU reads in place."""
+    not kept. ``allocate(shape)``: a uint8 MLX array the GPU reads in place. ``copies``: where
+    a prefill's whole layers go to the device beside MLX (``cache.row_copies``; None: through
+    ``allocate``'s staging and a copy kernel)."""
 
-    def __init__(self, allocate: Callable[[tuple], mx.array]):
+    def __init__(self, allocate: Callable[[tuple], mx.array], copies: Optional[RowCopies] = None):
         self.allocate = allocate
+        self.copies = copies
         self._buf: Optional[mx.array] = None
 
     def get(self, n: int, blob_size: int) -> mx.array:

@@ -12,9 +12,13 @@ Who writes what, and when:
 - A buffer is handed to a new read only after the device copies out of it were evaluated
   (``whole_lookup`` evaluates them before it returns): device staging (CUDA) alternates between
   two buffers, one being copied out of while the next layer is read into the other.
+- With ``DeviceStaging.copies`` (the GPU's copy engines) the read thread itself copies each
+  piece of the layer it has read into arrays made for that layer, and waits for those copies
+  before its read ends, even a failed one: its one host buffer is free again when the next
+  read starts, and no computation reads the arrays before the read was taken.
 - Host-written pools (CPU, Metal) are filled by the read itself, into arrays the caller made for
   that layer; nothing writes them again.
-- The read thread is handed numpy views made by the caller; it never calls MLX.
+- The read thread is handed numpy views and addresses made by the caller; it never calls MLX.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
@@ -33,12 +37,16 @@ from ..format.layout import ExpertLayout
 from ..io.store import ExpertStore
 from ..stats import LayerStats
 from .pool import MX_DTYPES, STAGING_KEEP_BYTES, DeviceStaging, ExpertPool, host_view
+from .row_copies import HostBuffer, RowCopies
 
 log = logging.getLogger(__name__)
 
 # a layer is read ahead only while it takes at most this share of the memory available: its
 # bytes are held beside the two layers' pools a prefill already keeps
 READ_AHEAD_RAM_SHARE = 0.25
+# with copy engines a layer is read in pieces of about this size, each copied to the device while
+# the next is read: only the last piece's copies add to the read
+COPY_PIECE_BYTES = 32 << 20
 
 _STREAMS: Dict[Tuple[str, str], mx.Stream] = {}
 
@@ -67,6 +75,11 @@ class _Read:
     raw: Optional[Dict[str, mx.array]]  # host writes: the pool's arrays, filled by the read
     views: List[Tuple[np.ndarray, int, int]]  # host writes: (view of raw, offset, nbytes) each
     future: Optional[Future] = None  # the read, on the read thread
+    # copy engines: the pool's arrays (evaluated, on the device), filled by the read's copies,
+    # and (address, offset in a blob, nbytes) of each
+    dst: Optional[Dict[str, mx.array]] = None
+    targets: List[Tuple[int, int, int]] = field(default_factory=list)
+    own: Optional[HostBuffer] = None  # a host buffer of this read alone, let go when it ends
 
 
 class WholeLayerReads:
@@ -89,6 +102,8 @@ class WholeLayerReads:
         self._views: List[Optional[np.ndarray]] = [None, None]  # their host views
         self._turn = 0
         self._host_buf: Optional[np.ndarray] = None  # host writes: the read's own buffer
+        self.copies: Optional[RowCopies] = None if staging is None else staging.copies
+        self._copy_buf: Optional[HostBuffer] = None  # copy engines: the reads' host buffer
 
     # -- buffers ---------------------------------------------------------------------------
 
@@ -117,10 +132,39 @@ class WholeLayerReads:
             self._host_buf = np.empty(nbytes, np.uint8)
         return self._host_buf[:nbytes].reshape(n, blob_size)
 
+    def _copy_buffer(self, n: int, blob_size: int) -> Tuple[np.ndarray, Optional[HostBuffer]]:
+        """Copy engines: the host buffer a read fills, and the buffer to let go after it (a
+        large one is not kept)."""
+        assert self.copies is not None
+        nbytes = n * blob_size
+        if nbytes > STAGING_KEEP_BYTES:
+            own = self.copies.buffer(nbytes)
+            return own.array[:nbytes].reshape(n, blob_size), own
+        if self._copy_buf is None or self._copy_buf.array.size < nbytes:
+            if self._copy_buf is not None:
+                self._copy_buf.close()
+                self._copy_buf = None
+            self._copy_buf = self.copies.buffer(nbytes)
+        return self._copy_buf.array[:nbytes].reshape(n, blob_size), None
+
     def _prepare(self, layer: int) -> _Read:
         """Where ``layer``'s bytes will go (on the caller's thread: it may call MLX)."""
         layout = self.store.layout(layer)
         n, size = layout.num_experts, layout.blob_size
+        if self.copies is not None:
+            blobs, own = self._copy_buffer(n, size)
+            try:
+                with mx.stream(_stream("copy")):  # not queued behind the computation
+                    dst = {c.name: mx.zeros((n, c.nbytes), mx.uint8) for c in layout.components}
+                    mx.eval(list(dst.values()))
+            except BaseException:
+                if own is not None:
+                    own.close()
+                raise
+            targets = [
+                (host_view(dst[c.name]).ctypes.data, c.offset, c.nbytes) for c in layout.components
+            ]
+            return _Read(layer, layout, blobs, None, None, [], dst=dst, targets=targets, own=own)
         if self.staging is not None:
             staged, blobs = self._staging_buffer(n, size)
             return _Read(layer, layout, blobs, staged, None, [])
@@ -137,7 +181,7 @@ class WholeLayerReads:
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="moeflux-layer-read")
         self._ahead = read  # tracked before it is queued: an interrupt cannot lose it
-        read.future = self._thread.submit(_fill, self.store, read.layer, read.blobs, read.views)
+        read.future = self._thread.submit(_fill, self.store, read, self.copies)
 
     def _settle(self) -> Optional[_Read]:
         """The read ahead, once ended (None: none, or it failed: the caller reads again, so a
@@ -175,7 +219,7 @@ class WholeLayerReads:
             read = self._settle()
             if read is None:  # it failed: again, on this thread, to raise the error from here
                 read = self._prepare(layer)
-                _fill(self.store, layer, read.blobs, read.views)
+                _fill(self.store, read, self.copies)
         t1 = time.perf_counter()
         stats.io_s += t1 - t0  # the wait: what the read ahead did not hide
         stats.experts_read += read.layout.num_experts
@@ -211,7 +255,10 @@ class WholeLayerReads:
                 for c in layout.components
             }
 
-        if read.staged is None:
+        if read.dst is not None:  # copied by the read (copy engines)
+            with mx.stream(_stream("copy")):
+                arrays = typed(read.dst)
+        elif read.staged is None:
             assert read.raw is not None
             arrays = typed(read.raw)
         else:
@@ -234,13 +281,36 @@ class WholeLayerReads:
             self._thread = None
         self._bufs, self._views = [None, None], [None, None]
         self._host_buf = None
+        if self._copy_buf is not None:
+            self._copy_buf.close()
+            self._copy_buf = None
+        if self.copies is not None:
+            self.copies.close()
 
 
-def _fill(
-    store: ExpertStore, layer: int, blobs: np.ndarray, views: List[Tuple[np.ndarray, int, int]]
-) -> None:
-    """Read ``layer``'s blobs into ``blobs`` and, for host writes, scatter them into the pool's
-    arrays through their ``views`` (numpy only: it runs on the read thread)."""
-    store.read(layer, np.arange(len(blobs)), blobs)
-    for view, offset, nbytes in views:
-        view[:] = blobs[:, offset : offset + nbytes]
+def _fill(store: ExpertStore, read: _Read, copies: Optional[RowCopies]) -> None:
+    """Read ``read.layer``'s blobs into ``read.blobs``; then, for host writes, scatter them into
+    the pool's arrays through ``read.views``, or, with copy engines, copy each piece to the
+    device as soon as it is read. No MLX here: it runs on the read thread."""
+    layer, blobs = read.layer, read.blobs
+    n = len(blobs)
+    if copies is None or read.dst is None:
+        store.read(layer, np.arange(n), blobs)
+        for view, offset, nbytes in read.views:
+            view[:] = blobs[:, offset : offset + nbytes]
+        return
+    pitch = blobs.shape[1]
+    step = max(1, COPY_PIECE_BYTES // pitch)
+    try:
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            store.read(layer, np.arange(lo, hi), blobs[lo:hi])
+            src = blobs.ctypes.data + lo * pitch
+            for dst, offset, nbytes in read.targets:
+                copies.copy_rows(dst + lo * nbytes, nbytes, src + offset, pitch, nbytes, hi - lo)
+    finally:
+        try:
+            copies.wait()  # even after a failure: nothing may still write the buffer or arrays
+        finally:
+            if read.own is not None:
+                read.own.close()

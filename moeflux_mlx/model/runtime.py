@@ -8,14 +8,18 @@ import contextlib
 import logging
 from typing import Iterator, Optional
 
+import mlx.core as mx
+
 from ..cache import wired
 from ..cache.budget import BudgetCache, slots_per_layer
 from ..cache.policy import POLICIES
 from ..cache.pool import DeviceStaging
 from ..cache.protocol import ExpertCache
+from ..cache.row_copies import HostRowCopies, RowCopies
 from ..cache.staging import StagingCache
 from ..compute.backend import Backend, backend_report, select_backend, served_summary
 from ..cuda import runtime as cuda_runtime
+from ..cuda.copy_engine import copy_engine
 from ..cuda.table_cache import TableCache, table_layers
 from ..errors import ModelClosedError
 from ..format.layout import ModelLayout
@@ -37,6 +41,17 @@ def use_table(requested: Optional[bool]) -> bool:
             "libcudart: using a host sync per layer"
         )
     return available if requested is None else bool(requested) and available
+
+
+def _row_copies(options: LoadOptions) -> Optional[RowCopies]:
+    """How a prefill's whole layers reach the device beside MLX (``options.prefill_dma``): the
+    GPU's copy engines, or, where MLX's memory is the host's (device slot writes asked for on
+    the CPU), host copies; None: a copy kernel out of mapped staging."""
+    if not options.prefill_dma:
+        return None
+    if mx.default_device() == mx.cpu:
+        return HostRowCopies()
+    return copy_engine()
 
 
 def make_cache(
@@ -67,7 +82,7 @@ def make_cache(
     if note:
         log.warning("expert cache budget %s", note)
     staging = (
-        DeviceStaging(cuda_runtime.host_array)
+        DeviceStaging(cuda_runtime.host_array, _row_copies(options))
         if cuda_runtime.device_slot_writes(options.slot_writes)
         else None
     )
