@@ -256,12 +256,15 @@ def test_next_layer_is_read_ahead(tiny, monkeypatch, writes, ahead):
         assert _greedy(model, prompt) == want_tokens
 
 
-def test_read_ahead_option(monkeypatch):
-    assert LoadOptions.resolve().prefill_read_ahead is True
-    monkeypatch.setenv("MOEFLUX_PREFILL_READ_AHEAD", "off")
-    assert LoadOptions.resolve().prefill_read_ahead is False
-    monkeypatch.setenv("MOEFLUX_PREFILL_READ_AHEAD", "sometimes")
-    with pytest.raises(ValueError, match="MOEFLUX_PREFILL_READ_AHEAD"):
+@pytest.mark.parametrize(
+    "field,var", [("prefill_read_ahead", "READ_AHEAD"), ("prefill_dma", "DMA")]
+)
+def test_prefill_switches(monkeypatch, field, var):
+    assert getattr(LoadOptions.resolve(), field) is True
+    monkeypatch.setenv(f"MOEFLUX_PREFILL_{var}", "off")
+    assert getattr(LoadOptions.resolve(), field) is False
+    monkeypatch.setenv(f"MOEFLUX_PREFILL_{var}", "sometimes")
+    with pytest.raises(ValueError, match=f"MOEFLUX_PREFILL_{var}"):
         LoadOptions.resolve()
 
 
