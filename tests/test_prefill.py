@@ -377,18 +377,17 @@ def test_host_row_copies_copy_strided_rows():
     copies.copy_rows(both.ctypes.data, 7, src.array.ctypes.data, 24, 7, 0)  # no rows: nothing
 
 
-def _log_copies(monkeypatch, events):
-    """Each piece's read and its copies, in order, and the buffers a read lets go."""
-    from moeflux_mlx.cache import row_copies
+def _log_copies(monkeypatch, copies, events):
+    """Each copy queued by ``copies`` (the cache's: host copies on the CPU, the copy engines on a
+    GPU), and the buffers it hands out and gets back."""
+    real_copy, real_buffer = copies.copy_rows, copies.buffer
 
-    real_copy, real_buffer = row_copies.HostRowCopies.copy_rows, row_copies.HostRowCopies.buffer
-
-    def copy_rows(self, dst, dst_pitch, src, src_pitch, width, rows):
+    def copy_rows(dst, dst_pitch, src, src_pitch, width, rows):
         events.append(("copy", rows))
-        real_copy(self, dst, dst_pitch, src, src_pitch, width, rows)
+        real_copy(dst, dst_pitch, src, src_pitch, width, rows)
 
-    def buffer(self, nbytes):
-        buf = real_buffer(self, nbytes)
+    def buffer(nbytes):
+        buf = real_buffer(nbytes)
         real_close = buf.close
 
         def close():
@@ -399,8 +398,8 @@ def _log_copies(monkeypatch, events):
         events.append(("buffer", nbytes))
         return buf
 
-    monkeypatch.setattr(row_copies.HostRowCopies, "copy_rows", copy_rows)
-    monkeypatch.setattr(row_copies.HostRowCopies, "buffer", buffer)
+    monkeypatch.setattr(copies, "copy_rows", copy_rows)
+    monkeypatch.setattr(copies, "buffer", buffer)
 
 
 def test_copies_follow_each_piece_read(tiny, monkeypatch):
@@ -416,9 +415,9 @@ def test_copies_follow_each_piece_read(tiny, monkeypatch):
     monkeypatch.setattr(whole_layer, "COPY_PIECE_BYTES", 3 * first.blob_size)
     monkeypatch.setattr(whole_layer, "STAGING_KEEP_BYTES", 0)  # every layer: a buffer of its own
     events = []
-    _log_copies(monkeypatch, events)
     model = _load(monkeypatch, packed, ROWS, expert_io="pread")
     with model.moeflux as rt:
+        _log_copies(monkeypatch, rt.cache.whole_reads.copies, events)
         real_read = rt.store.read
 
         def read(layer, experts, out=None):
@@ -444,7 +443,7 @@ def test_copies_follow_each_piece_read(tiny, monkeypatch):
 def test_a_failed_piece_waits_for_the_copies_queued(tiny, monkeypatch):
     """A read failing after some pieces were copied waits for those copies and lets its own
     buffer go before the error is raised."""
-    from moeflux_mlx.cache import row_copies, whole_layer
+    from moeflux_mlx.cache import whole_layer
 
     packed, prompt, want_logits, _ = tiny
     _set_writes(monkeypatch, "device")
@@ -453,10 +452,17 @@ def test_a_failed_piece_waits_for_the_copies_queued(tiny, monkeypatch):
     monkeypatch.setattr(whole_layer, "STAGING_KEEP_BYTES", 0)
     monkeypatch.setenv("MOEFLUX_PREFILL_READ_AHEAD", "off")  # the first failure raises
     events = []
-    _log_copies(monkeypatch, events)
-    monkeypatch.setattr(row_copies.HostRowCopies, "wait", lambda self: events.append(("wait",)))
     model = _load(monkeypatch, packed, ROWS, expert_io="pread")
     with model.moeflux as rt:
+        copies = rt.cache.whole_reads.copies
+        _log_copies(monkeypatch, copies, events)
+        real_wait = copies.wait
+
+        def wait():
+            events.append(("wait",))
+            real_wait()
+
+        monkeypatch.setattr(copies, "wait", wait)
         real_read = rt.store.read
 
         def read(layer, experts, out=None):
