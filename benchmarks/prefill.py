@@ -288,9 +288,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--dma",
         type=_switches,
-        default=[True],
+        default=[False],
         help="on,off: whole layers to the GPU on its copy engines, or by a copy kernel out of "
-        "mapped staging (the load option prefill_dma; default on)",
+        "mapped staging (the load option prefill_dma; default off, as the option's)",
     )
     p.add_argument("--threads", type=_ints, default=[8], help="read threads, e.g. 8,16 (default 8)")
     p.add_argument("--bench-backend", default=None, help="expert backend (default: auto)")

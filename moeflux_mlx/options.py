@@ -20,7 +20,7 @@ Plain Python: the miss server process imports it without MLX.
                                                       whole layer without a host sync (0: never)
     MOEFLUX_PREFILL_READ_AHEAD   prefill_read_ahead   0/off | 1/on (default): such a prefill reads
                                                       the next layer while this one computes
-    MOEFLUX_PREFILL_DMA          prefill_dma          0/off | 1/on (default): on CUDA such a prefill
+    MOEFLUX_PREFILL_DMA          prefill_dma          0/off (default) | 1/on: on CUDA such a prefill
                                                       uploads its layers on the copy engines
 
 Cache budgets (``parse_budget``): ``"all"``, ``0``, a fraction of RAM in (0, 1] (``0.25``), or a
@@ -179,8 +179,9 @@ class LoadOptions:
             memory available).
         prefill_dma: with device slot writes (CUDA), such a prefill's layers are read into
             page-locked memory and copied to the device by the GPU's copy engines, piece by
-            piece as they are read, beside the computation; off: a copy kernel reads them out of
-            mapped host staging, on the GPU's cores.
+            piece as they are read, beside the computation; off (the default: slower so far,
+            docs/benchmarks.md "Prefill"): a copy kernel reads them out of mapped host staging,
+            on the GPU's cores.
         table_every_layer: benchmarks only: fully cached layers are looked up through the
             device-side table too, to measure what the lookup itself costs.
     """
@@ -198,7 +199,7 @@ class LoadOptions:
     server_poll_max_us: float = 1000.0
     prefill_whole_layer: float = DEFAULT_PREFILL_WHOLE_LAYER
     prefill_read_ahead: bool = True
-    prefill_dma: bool = True
+    prefill_dma: bool = False
     table_every_layer: bool = False
 
     @classmethod

@@ -21,8 +21,8 @@ ROWS = 2.0  # the tiny models route 4 of 16 experts: a 40-token prompt has 10 ro
 
 
 # how slots and whole layers are written: from the host; through device staging, a prefill's
-# layers by copies beside MLX (the GPU's copy engines; host copies on the CPU); or through device
-# staging and a copy kernel
+# layers by copies beside MLX (the GPU's copy engines; host copies on the CPU: prefill_dma); or
+# through device staging and a copy kernel (the default)
 WRITES = ["host", "device", "device-kernel"]
 
 
@@ -257,12 +257,14 @@ def test_next_layer_is_read_ahead(tiny, monkeypatch, writes, ahead):
 
 
 @pytest.mark.parametrize(
-    "field,var", [("prefill_read_ahead", "READ_AHEAD"), ("prefill_dma", "DMA")]
+    "field,var,default", [("prefill_read_ahead", "READ_AHEAD", True), ("prefill_dma", "DMA", False)]
 )
-def test_prefill_switches(monkeypatch, field, var):
-    assert getattr(LoadOptions.resolve(), field) is True
+def test_prefill_switches(monkeypatch, field, var, default):
+    assert getattr(LoadOptions.resolve(), field) is default
     monkeypatch.setenv(f"MOEFLUX_PREFILL_{var}", "off")
     assert getattr(LoadOptions.resolve(), field) is False
+    monkeypatch.setenv(f"MOEFLUX_PREFILL_{var}", "on")
+    assert getattr(LoadOptions.resolve(), field) is True
     monkeypatch.setenv(f"MOEFLUX_PREFILL_{var}", "sometimes")
     with pytest.raises(ValueError, match=f"MOEFLUX_PREFILL_{var}"):
         LoadOptions.resolve()
@@ -478,3 +480,64 @@ def test_a_failed_piece_waits_for_the_copies_queued(tiny, monkeypatch):
         tail = [e for e in events if e[0] in ("copy", "wait", "close")]
         once = [("copy", 3)] * len(first.components) + [("wait",), ("close", nbytes)]
         assert tail == once * 2
+
+
+def test_copy_engine_names_a_failed_copy_and_syncs_on_wait():
+    """``CopyEngine`` (against a stand-in for libcudart): each copy is queued on the engine's
+    stream on the device it was made on, from whatever thread; a failed one raises naming it;
+    ``wait`` synchronizes the stream; ``close`` destroys it."""
+    import threading
+    import types
+
+    from moeflux_mlx.cuda.copy_engine import CopyEngine
+    from moeflux_mlx.errors import DeviceSetupError
+
+    calls = []
+
+    def fn(name):
+        def call(*args):
+            calls.append((name, [getattr(a, "value", a) for a in args]))
+            return 0
+
+        return call
+
+    def memcpy(dst, dpitch, src, spitch, width, rows, kind, stream):
+        calls.append(
+            (
+                "copy",
+                [
+                    dst.value,
+                    dpitch.value,
+                    src.value,
+                    spitch.value,
+                    width.value,
+                    rows.value,
+                    stream.value,
+                ],
+            )
+        )
+        return 700 if dst.value == 2 else 0
+
+    def get_device(ref):
+        ref._obj.value = 3
+        return 0
+
+    lib = types.SimpleNamespace(
+        cudaMemcpy2DAsync=memcpy,
+        cudaStreamSynchronize=fn("sync"),
+        cudaStreamCreateWithFlags=lambda ref, flags: setattr(ref._obj, "value", 99) or 0,
+        cudaStreamDestroy=fn("destroy"),
+        cudaSetDevice=fn("set device"),
+        cudaGetDevice=get_device,
+    )
+    engine = CopyEngine(lib)
+    worker = threading.Thread(target=engine.copy_rows, args=(1, 8, 100, 16, 8, 5))
+    worker.start()
+    worker.join()
+    assert calls == [("set device", [3]), ("copy", [1, 8, 100, 16, 8, 5, 99])]
+    with pytest.raises(DeviceSetupError, match="cudaMemcpy2DAsync of 2 x 8 bytes"):
+        engine.copy_rows(2, 8, 100, 16, 8, 2)
+    engine.wait()
+    assert calls[-1] == ("sync", [99])
+    engine.close()
+    assert [c[0] for c in calls[-2:]] == ["sync", "destroy"]

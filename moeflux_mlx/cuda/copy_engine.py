@@ -4,16 +4,12 @@
 (``PinnedBuffer``) into MLX arrays: MLX's CUDA backend allocates managed memory whose address is
 valid on the device, and an array evaluated by a kernel lives there. The copies never enter
 MLX's queues; their caller waits for them (``wait``) before any computation reads the arrays.
-
-Into managed memory the call returns only once its copy has landed, so the copies are made on a
-thread of their own: the reader queues a piece's copies and goes on reading the next piece.
 """
 
 from __future__ import annotations
 
 import ctypes
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import List, Optional
+from typing import Optional
 
 from ..errors import DeviceSetupError
 from .runtime import PinnedBuffer, _cudart
@@ -38,8 +34,6 @@ class CopyEngine:
         dev = ctypes.c_int(0)
         lib.cudaGetDevice(ctypes.byref(dev))
         self._device = dev.value  # the copies run on another thread: it must name the device
-        self._thread: Optional[ThreadPoolExecutor] = None  # the copies, in the order queued
-        self._queued: List[Future] = []  # written by the caller of copy_rows and wait only
         self._stream = ctypes.c_void_p()
         self._check(
             lib.cudaStreamCreateWithFlags(ctypes.byref(self._stream), _NON_BLOCKING),
@@ -55,15 +49,6 @@ class CopyEngine:
         return PinnedBuffer(nbytes)
 
     def copy_rows(
-        self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, rows: int
-    ) -> None:
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="moeflux-copy")
-        self._queued.append(
-            self._thread.submit(self._copy, dst, dst_pitch, src, src_pitch, width, rows)
-        )
-
-    def _copy(
         self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, rows: int
     ) -> None:
         lib = self._lib
@@ -82,21 +67,9 @@ class CopyEngine:
         self._check(err, f"cudaMemcpy2DAsync of {rows} x {width} bytes")
 
     def wait(self) -> None:
-        queued, self._queued = self._queued, []
-        error: Optional[BaseException] = None
-        for f in queued:  # every one, even after a failure: none may still write
-            try:
-                f.result()
-            except BaseException as err:  # noqa: BLE001 - the first is raised below
-                error = error or err
-        if error is not None:
-            raise error
         self._check(self._lib.cudaStreamSynchronize(self._stream), "cudaStreamSynchronize")
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
-            self._thread = None
         if self._stream is not None and self._stream.value:
             self._lib.cudaStreamSynchronize(self._stream)
             self._lib.cudaStreamDestroy(self._stream)
