@@ -11,7 +11,7 @@ Plain Python: the miss server process imports it without MLX.
     MOEFLUX_BACKEND              backend         auto | ops | metal | cuda
     MOEFLUX_DEVICE_TABLE         device_table    0/off/false/no | 1/on/true/yes (unset: where CUDA is)
     MOEFLUX_SLOT_WRITES          slot_writes     host | device (unset: by the device)
-    MOEFLUX_EVICTION             eviction        lru | lfu | lfuda | decay | s3fifo
+    MOEFLUX_EVICTION             eviction        lru | lfu | lfuda | decay | transition | s3fifo
     MOEFLUX_THREADS              threads         parallel reads of the pread store (>= 1)
     MOEFLUX_WAIT_TIMEOUT_S       wait_timeout_s  how long the GPU waits for the miss server (> 0)
     MOEFLUX_SERVER_POLL_US       server_poll_us  the miss server's poll interval after a request
@@ -44,7 +44,7 @@ from .errors import OptionError
 IO_MODES = ("auto", "mmap", "pread", "direct")
 BACKENDS = ("auto", "ops", "metal", "cuda")
 SLOT_WRITES = ("host", "device")
-EVICTIONS = ("lru", "lfu", "lfuda", "decay", "s3fifo")  # cache.policy.POLICIES
+EVICTIONS = ("lru", "lfu", "lfuda", "decay", "transition", "s3fifo")  # cache.policy.POLICIES
 DEFAULT_RAM_FRACTION = (
     0.4  # of physical RAM: the cache budget when none is given and the experts do not fit
 )
@@ -161,9 +161,10 @@ class LoadOptions:
             wherever it can run.
         slot_writes: ``host`` (into the pool's memory through a host view) or ``device`` (through
             host staging and a GPU scatter); None: ``device`` on CUDA, else ``host``.
-        eviction: which resident expert a miss replaces (``cache.policy``): ``decay``
-            (default: decayed use counts), ``lru``, ``lfu``, ``lfuda`` or ``s3fifo``; the
-            device-side table's miss server keeps its layers by the same policy.
+        eviction: which resident expert a miss replaces (``cache.policy``): ``transition``
+            (default: decayed use counts plus what tends to follow the call), ``decay``,
+            ``lru``, ``lfu``, ``lfuda`` or ``s3fifo``; the device-side table's miss server keeps
+            its layers by the same policy.
         wait_timeout_s: how long the GPU waits for the miss server before it gives up.
         server_poll_us, server_poll_max_us: the miss server's poll interval after a request, and
             the cap it grows to while no request comes.
@@ -193,7 +194,7 @@ class LoadOptions:
     threads: int = 8
     device_table: Optional[bool] = None
     slot_writes: Optional[str] = None
-    eviction: str = "decay"
+    eviction: str = "transition"
     wait_timeout_s: float = 60.0
     server_poll_us: float = 20.0
     server_poll_max_us: float = 1000.0

@@ -14,6 +14,7 @@ from moeflux_mlx.cache.policy import (
     LFUPolicy,
     LRUPolicy,
     S3FIFOPolicy,
+    TransitionPolicy,
 )
 from moeflux_mlx.format.checkpoint import expert_layout
 from moeflux_mlx.options import EVICTIONS, LoadOptions
@@ -36,7 +37,7 @@ def _run(policy_class, trace, n_slots, num_experts=8):
 
 def test_the_option_names_every_policy():
     assert set(EVICTIONS) == set(POLICIES)
-    assert LoadOptions().eviction == "decay"
+    assert LoadOptions().eviction == "transition"
 
 
 @pytest.mark.parametrize("policy", [LFUPolicy, DecayPolicy, LFUDAPolicy])
@@ -87,6 +88,29 @@ def test_decay_forgets_with_its_half_life():
     p, _ = _run(DecayPolicy, trace, n_slots=2)
     # by the end 0's count has decayed far below 2's: 3 replaced 0 and 2 stayed
     assert p.slot_of[0] < 0 and p.slot_of[2] >= 0 and p.slot_of[3] >= 0
+
+
+def test_transition_keeps_what_follows_the_current_call():
+    """Experts used as often and as recently: decayed counts evict the oldest (2), but 2 always
+    came right after 0, and the call being admitted routes 0: transition keeps 2."""
+    trace = [[0], [2], [1], [3]] * 6 + [[0, 5]]
+    decay, _ = _run(DecayPolicy, trace, n_slots=4)
+    transition, _ = _run(TransitionPolicy, trace, n_slots=4)
+    assert decay.slot_of[2] < 0 and decay.slot_of[1] >= 0
+    assert transition.slot_of[2] >= 0 and transition.slot_of[1] < 0
+
+
+def test_transition_counts_pairs_with_their_half_life():
+    """A row of pair counts decays by half over ``pair_half_life`` calls, applied when the row
+    is counted again; the ratio read is unchanged by decay."""
+    p = TransitionPolicy(8, 4)
+    for tick, experts in ((1, [0]), (2, [1]), (3, [0])):
+        p.assign(*p.admit(np.array(experts), tick), tick)
+    assert p.pairs[0, 1] == 1 and p.calls[0] == 1 and p.pairs[1, 0] == 1
+    late = 2 + int(TransitionPolicy.pair_half_life)  # row 0 was last counted at tick 2
+    p.assign(*p.admit(np.array([1]), late), late)
+    assert p.calls[0] == pytest.approx(1.5) and p.pairs[0, 1] == pytest.approx(1.5)
+    assert p.pairs_at[0] == late and p.pairs_at[1] == 3
 
 
 @pytest.mark.parametrize("eviction", sorted(POLICIES))

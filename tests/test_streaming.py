@@ -169,7 +169,7 @@ def test_cache_budgets_equal_stock(tiny_checkpoints, references, arch, budget):
     with model.moeflux as rt:
         _assert_same(_two_turns(model, prompts), want)
         t = rt.stats_dict()["total"]
-        assert rt.cache.policy_class.name == "decay"  # the default (CUDA's table keeps it too)
+        assert rt.cache.policy_class.name == "transition"  # the default (CUDA's table's too)
         if budget == "all":  # filled once, then no host syncs at all
             assert t["unsynced_calls"] > 0.9 * t["calls"]
             assert t["experts_read"] == sum(lay.num_experts for lay in rt.layout.layers.values())

@@ -6,10 +6,11 @@ A policy is a class: ``EvictionPolicy`` keeps the bookkeeping, a subclass says w
 used (``touch``) and which to free (``victims``). ``POLICIES`` names them (``LoadOptions
 .eviction``): ``lru`` evicts the least recently used; ``lfu`` the least frequently used (use counts
 kept across evictions); ``lfuda`` LFU with dynamic aging (an expert's priority is its count plus
-the priority of the last one evicted, so old fame fades); ``decay`` (the default) the lowest
-exponentially decayed use count; ``s3fifo`` S3-FIFO, scan-resistant (``S3FIFOPolicy``). Ties go
-to the least recently used. ``docs/routing.md`` has the replayed and live miss counts that chose
-the default.
+the priority of the last one evicted, so old fame fades); ``decay`` the lowest exponentially
+decayed use count; ``transition`` (the default) decayed counts raised by how often each expert
+followed the experts of the call being admitted (``TransitionPolicy``); ``s3fifo`` S3-FIFO,
+scan-resistant (``S3FIFOPolicy``). Ties go to the least recently used. ``docs/routing.md`` has
+the replayed and live miss counts that chose the default.
 
 Every policy frees only slots the call being admitted does not use: ``admit`` marks the call's
 hits used at its tick (``now``) before it asks for victims, and no policy picks a slot used at
@@ -262,8 +263,12 @@ class DecayPolicy(_CountingPolicy):
         self.at = np.zeros(num_experts, np.int64)  # the call each count was last brought up to
 
     def used(self, experts: np.ndarray, tick: Union[int, np.ndarray]) -> None:
-        # a late-counted GPU use (tick before ``at``) adds its weight at that tick
         gap = tick - self.at[experts]
+        if np.ndim(tick) == 0 and not (gap < 0).any():  # the host's own uses: in order
+            self.count[experts] = self.count[experts] * np.exp2(-gap / self.half_life) + 1.0
+            self.at[experts] = tick
+            return
+        # a late-counted GPU use (tick before ``at``) adds its weight at that tick
         late = gap < 0
         self.count[experts] *= np.where(late, 1.0, 0.5 ** (np.maximum(gap, 0) / self.half_life))
         self.count[experts] += np.where(late, 0.5 ** (-gap / self.half_life), 1.0)
@@ -271,6 +276,59 @@ class DecayPolicy(_CountingPolicy):
 
     def score(self, experts: np.ndarray, tick: int) -> np.ndarray:
         return self.count[experts] * 0.5 ** ((tick - self.at[experts]) / self.half_life)
+
+
+class TransitionPolicy(DecayPolicy):
+    """Decayed counts plus what tends to follow the call being admitted: an expert's score is
+    its decayed count plus ``weight x half_life x`` the estimated chance that the layer's next
+    call routes it, given this call's experts.
+
+    The estimate is the mean, over this call's experts ``c``, of how often ``e`` was routed by
+    the call right after one that routed ``c`` (``pairs[c, e] / calls[c]``), counted with a
+    half-life of ``pair_half_life`` calls. Decayed counts alone say which experts a layer uses
+    often; the pairs add which of them the current context calls next. Each row is decayed only
+    when it is counted again (both of its terms by the same factor, so the ratio needs no decay
+    when read): ``num_experts ** 2`` float32 per layer, O(k x num_experts) per call."""
+
+    name = "transition"
+    weight = 4.0  # both from the trained demo's replayed traces (docs/routing.md)
+    pair_half_life = 512.0
+
+    def setup_scores(self, num_experts: int) -> None:
+        super().setup_scores(num_experts)
+        self.pairs = np.zeros((num_experts, num_experts), np.float32)
+        self.calls = np.zeros(num_experts, np.float32)
+        self.pairs_at = np.zeros(num_experts, np.int64)  # the call each row was decayed to
+        self.previous: Optional[np.ndarray] = None  # the experts of the last call admitted
+        self.follows: Optional[np.ndarray] = None  # [num_experts] for the call being admitted
+        self.current = np.zeros(0, np.int64)  # the experts of the call being admitted
+
+    def admit(
+        self, experts: np.ndarray, tick: int, keep: Optional[np.ndarray] = None
+    ) -> Tuple[np.ndarray, np.ndarray]:
+        prev = self.previous
+        if prev is not None and prev.size:
+            share = np.exp2((self.pairs_at[prev] - tick) / self.pair_half_life).astype(np.float32)
+            rows = self.pairs[prev] * share[:, None]
+            rows[:, experts] += 1.0
+            self.pairs[prev] = rows
+            self.calls[prev] = self.calls[prev] * share + 1.0
+            self.pairs_at[prev] = tick
+        self.current, self.follows = experts, None  # worked out if a victim is asked for
+        try:
+            return super().admit(experts, tick, keep)
+        finally:
+            self.previous = np.array(experts)
+
+    def score(self, experts: np.ndarray, tick: int) -> np.ndarray:
+        base = super().score(experts, tick)
+        cur = self.current
+        if not cur.size:
+            return base
+        if self.follows is None:
+            rows = self.pairs[cur] / np.maximum(self.calls[cur], 1e-6)[:, None]
+            self.follows = (self.weight * self.half_life / cur.size) * rows.sum(axis=0)
+        return base + self.follows[experts]
 
 
 class S3FIFOPolicy(LRUPolicy):
@@ -373,4 +431,7 @@ class S3FIFOPolicy(LRUPolicy):
             self.uses[s] = 0
 
 
-POLICIES = {p.name: p for p in (LRUPolicy, LFUPolicy, LFUDAPolicy, DecayPolicy, S3FIFOPolicy)}
+POLICIES = {
+    p.name: p
+    for p in (LRUPolicy, LFUPolicy, LFUDAPolicy, DecayPolicy, TransitionPolicy, S3FIFOPolicy)
+}

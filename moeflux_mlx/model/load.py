@@ -222,8 +222,8 @@ def load(
         threads: parallel reads of the ``pread`` store.
         device_table: CUDA: decode looks slots up on the GPU, and only the GPU waits, only on
             misses, for a helper process that reads them (default: on where CUDA is).
-        eviction: which resident expert a miss replaces: ``decay`` (default), ``lru``,
-            ``lfu``, ``lfuda`` or ``s3fifo`` (``cache.policy``).
+        eviction: which resident expert a miss replaces: ``transition`` (default),
+            ``decay``, ``lru``, ``lfu``, ``lfuda`` or ``s3fifo`` (``cache.policy``).
         model_config, tokenizer_config: as for ``mlx_lm.load``.
         lazy: as for ``mlx_lm.load``: the dense weights are read when first used, not now.
         options: every load option at once (``LoadOptions``); keyword arguments given override it.
