@@ -19,7 +19,7 @@
 # the I/O bound BOUND_RUNS times (2; BOUND_IO="pread direct" also uncached, in turns) after the
 # store's cold reads of miss-sized batches, its schemes side by side (store_read_ab.py
 # --shares-ab); pread with a page cache of shares of the experts against direct (PC_RUNS);
-# LRU vs the default policy,
+# LRU and decay vs the default policy (transition),
 # prefetch of the trace's recorded ridge / gate predictions, the ops backend's tokens against
 # stock, prompt-lookup speculation and prefill at 25% (benchmarks/speculation.py, prefill.py),
 # two ranks on the one GPU (tests/test_distributed.py, and NCCL), and `compare`'s KL rule.
@@ -113,8 +113,8 @@ if part pagecache; then  # where uncached reads stop paying: pread with a page c
     echo "page cache $run ($io), rc $?:"; grep -E "^\| moeflux|Error" "$OUT/pc_$run.txt"
   done
 fi
-if part policy; then  # LRU vs the default (decay), same replayed positions, cold
-  for ev in lru decay; do
+if part policy; then  # LRU, decay and the default (transition), same replayed positions, cold
+  for ev in lru decay transition; do
     MOEFLUX_EVICTION=$ev timeout 300 "${ROUTED[@]}" --trace-predictor ridge --prefetch off \
       --no-stock --machine "policy-$ev" --out "$OUT/policy" > "$OUT/policy_$ev.txt" 2>&1
     echo "policy $ev:"; grep -E "^\| moeflux" "$OUT/policy_$ev.txt"
