@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
+from upload_probe import timeit  # this folder is on the path when run as a script
 
 from moeflux_mlx.cache.pool import host_view
 from moeflux_mlx.cuda.runtime import _cudart, host_staging
@@ -75,18 +76,6 @@ def read_layer(fd: int, layer: int, experts: int, into: np.ndarray, pool: Thread
     list(pool.map(one, range(experts)))
 
 
-def timed(fn, reps: int) -> float:
-    fn()
-    out = []
-    for _ in range(reps):
-        mx.synchronize()
-        t = time.perf_counter()
-        fn()
-        mx.synchronize()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -133,8 +122,8 @@ def main() -> None:
                     read_layer(fd, layer[0] % L, n, into, pool)
                     layer[0] += 1
 
-                row(f"read {threads} threads into {name}", timed(go, args.reps * L))
-    row("memcpy, one thread (numpy)", timed(lambda: np.copyto(plain, locked), args.reps))
+                row(f"read {threads} threads into {name}", timeit(go, args.reps * L))
+    row("memcpy, one thread (numpy)", timeit(lambda: np.copyto(plain, locked), args.reps))
 
     # the copy to the GPU
     dst = [mx.zeros((n, c), mx.uint8) for c in COMPONENTS]
@@ -168,17 +157,18 @@ def main() -> None:
     def consume():  # a kernel reading every byte: are the copies' pages on the GPU?
         mx.eval([mx.sum(d.view(mx.uint32).astype(mx.uint64)) for d in dst])
 
-    row("sum on the GPU, fresh arrays", timed(consume, args.reps), "(the baseline for the next)")
-    row("copy kernel from managed staging (today)", timed(kernel_copy, args.reps))
-    row("copy engines from page-locked", timed(engine_copy(locked.ctypes.data), args.reps))
+    row("sum on the GPU, fresh arrays", timeit(consume, args.reps), "(the baseline for the next)")
+    row("copy kernel from managed staging (today)", timeit(kernel_copy, args.reps))
+    row("copy engines from page-locked", timeit(engine_copy(locked.ctypes.data), args.reps))
     pinned_copy = engine_copy(locked.ctypes.data)
     row(
         "copy engines from page-locked, then the sum",
-        timed(lambda: (pinned_copy(), consume()), args.reps),
+        timeit(lambda: (pinned_copy(), consume()), args.reps),
         "(more than copy + sum: pages moved off the GPU)",
     )
     row(
-        "copy engines from managed staging", timed(engine_copy(managed_view.ctypes.data), args.reps)
+        "copy engines from managed staging",
+        timeit(engine_copy(managed_view.ctypes.data), args.reps),
     )
     ok = all(
         np.array_equal(np.asarray(dst[i]), managed_view[:, o : o + c])
@@ -202,7 +192,7 @@ def main() -> None:
             print(f"cudaHostRegister of the file mapping ({fname}) failed: error {err}")
             continue
         row(f"lock a layer of page cache ({fname})", reg)
-        row("copy engines from the locked page cache", timed(engine_copy(base), args.reps))
+        row("copy engines from the locked page cache", timeit(engine_copy(base), args.reps))
         t = time.perf_counter()
         cuda.cudaHostUnregister(ptr)
         row("unlock it", time.perf_counter() - t)
