@@ -311,7 +311,8 @@ def test_no_read_ahead_beyond_the_memory_share(tiny, monkeypatch):
         assert started == []
 
 
-def test_interrupt_while_a_read_ahead_runs(tiny, monkeypatch):
+@pytest.mark.parametrize("writes", WRITES)
+def test_interrupt_while_a_read_ahead_runs(tiny, monkeypatch, writes):
     """An interrupt (Ctrl-C) while the prefill waits for a read ahead that is still running leaves
     that read tracked: the next prefill waits for it before reusing its buffer, and is exact."""
     import time as _time
@@ -319,6 +320,7 @@ def test_interrupt_while_a_read_ahead_runs(tiny, monkeypatch):
     from moeflux_mlx.cache import whole_layer
 
     packed, prompt, want_logits, want_tokens = tiny
+    _set_writes(monkeypatch, writes)
     model = _load(monkeypatch, packed, ROWS, expert_io="pread")
     interrupted = []
 
@@ -368,15 +370,13 @@ def test_host_row_copies_copy_strided_rows():
     copies = HostRowCopies()
     src = copies.buffer(5 * 24)
     src.array[:] = np.arange(5 * 24) % 251
-    dst = np.zeros((5, 7), np.uint8)
-    guard = np.full(8, 77, np.uint8)  # right after dst in a buffer of its own
-    both = np.concatenate([dst.reshape(-1), guard])
-    copies.copy_rows(both.ctypes.data, 7, src.array.ctypes.data + 3, 24, 7, 5)
+    both = np.full(5 * 11 + 8, 77, np.uint8)  # 5 rows 11 bytes apart, then 8 more
+    copies.copy_rows(both.ctypes.data, 11, src.array.ctypes.data + 3, 24, 7, 5)
     copies.wait()
-    want = src.array.reshape(5, 24)[:, 3:10]
-    assert np.array_equal(both[:35].reshape(5, 7), want)
-    assert (both[35:] == 77).all()
-    copies.copy_rows(both.ctypes.data, 7, src.array.ctypes.data, 24, 7, 0)  # no rows: nothing
+    rows = both[:55].reshape(5, 11)
+    assert np.array_equal(rows[:, :7], src.array.reshape(5, 24)[:, 3:10])
+    assert (rows[:, 7:] == 77).all() and (both[55:] == 77).all()  # between rows, after: untouched
+    copies.copy_rows(both.ctypes.data, 11, src.array.ctypes.data, 24, 7, 0)  # no rows: nothing
 
 
 def _log_copies(monkeypatch, copies, events):
@@ -502,20 +502,8 @@ def test_copy_engine_names_a_failed_copy_and_syncs_on_wait():
         return call
 
     def memcpy(dst, dpitch, src, spitch, width, rows, kind, stream):
-        calls.append(
-            (
-                "copy",
-                [
-                    dst.value,
-                    dpitch.value,
-                    src.value,
-                    spitch.value,
-                    width.value,
-                    rows.value,
-                    stream.value,
-                ],
-            )
-        )
+        args = [dst, dpitch, src, spitch, width, rows, kind, stream]
+        calls.append(("copy", [getattr(a, "value", a) for a in args]))
         return 700 if dst.value == 2 else 0
 
     def get_device(ref):
@@ -531,13 +519,70 @@ def test_copy_engine_names_a_failed_copy_and_syncs_on_wait():
         cudaGetDevice=get_device,
     )
     engine = CopyEngine(lib)
-    worker = threading.Thread(target=engine.copy_rows, args=(1, 8, 100, 16, 8, 5))
+    worker = threading.Thread(target=engine.copy_rows, args=(1, 12, 100, 16, 8, 5))
     worker.start()
     worker.join()
-    assert calls == [("set device", [3]), ("copy", [1, 8, 100, 16, 8, 5, 99])]
+    # cudaMemcpyDefault (4): the direction from the addresses
+    assert calls == [("set device", [3]), ("copy", [1, 12, 100, 16, 8, 5, 4, 99])]
     with pytest.raises(DeviceSetupError, match="cudaMemcpy2DAsync of 2 x 8 bytes"):
         engine.copy_rows(2, 8, 100, 16, 8, 2)
     engine.wait()
     assert calls[-1] == ("sync", [99])
     engine.close()
     assert [c[0] for c in calls[-2:]] == ["sync", "destroy"]
+
+
+def test_a_read_that_cannot_be_queued_lets_its_buffer_go(tiny, monkeypatch):
+    """A read ahead whose queueing fails (here: the thread refuses it) lets its own host buffer
+    go; the call then reads the layer itself, exactly."""
+    from moeflux_mlx.cache import whole_layer
+
+    packed, prompt, want_logits, _ = tiny
+    _set_writes(monkeypatch, "device")
+    monkeypatch.setattr(whole_layer, "STAGING_KEEP_BYTES", 0)  # every read: a buffer of its own
+    real_start = whole_layer.WholeLayerReads._start
+    refused = []
+
+    def start(self, read):
+        if self._ahead is None and not refused and read.layer > 0:  # the first read ahead
+            refused.append(read.layer)
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        real_start(self, read)
+
+    monkeypatch.setattr(whole_layer.WholeLayerReads, "_start", start)
+    events = []
+    model = _load(monkeypatch, packed, ROWS, expert_io="pread")
+    with model.moeflux as rt:
+        _log_copies(monkeypatch, rt.cache.whole_reads.copies, events)
+        assert mx.array_equal(_prefill_logits(model, prompt), want_logits).item()
+    assert refused
+    assert events.count(("buffer", events[0][1])) == events.count(("close", events[0][1]))
+
+
+def test_a_failed_wait_after_a_failed_read_keeps_the_read_error(tiny, monkeypatch):
+    """If waiting for the copies fails while a read's error is on its way up, the read's error
+    is the one raised."""
+    packed, prompt, _, _ = tiny
+    _set_writes(monkeypatch, "device")
+    monkeypatch.setenv("MOEFLUX_PREFILL_READ_AHEAD", "off")
+    model = _load(monkeypatch, packed, ROWS, expert_io="pread")
+    with model.moeflux as rt:
+        copies = rt.cache.whole_reads.copies
+
+        def wait():
+            raise RuntimeError("the stream is broken too")
+
+        monkeypatch.setattr(copies, "wait", wait)
+
+        def read(layer, experts, out=None):
+            raise ExpertReadError("expert file: Input/output error")
+
+        monkeypatch.setattr(rt.store, "read", read)
+        with pytest.raises(ExpertReadError, match="Input/output error"):
+            _prefill_logits(model, prompt)
+    # and a wait that fails alone is raised
+    model = _load(monkeypatch, packed, ROWS, expert_io="pread")
+    with model.moeflux as rt:
+        monkeypatch.setattr(rt.cache.whole_reads.copies, "wait", wait)
+        with pytest.raises(RuntimeError, match="stream is broken"):
+            _prefill_logits(model, prompt)

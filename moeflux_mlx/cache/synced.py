@@ -214,5 +214,7 @@ class HostSyncCache:
     def close(self) -> None:
         self._pending = None
         self.whole_reads.close()
+        if self.staging is not None and self.staging.copies is not None:
+            self.staging.copies.close()  # made for this cache with its staging (make_cache)
         if self.prefetcher is not None:
             self.prefetcher.close()

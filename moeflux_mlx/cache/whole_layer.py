@@ -200,9 +200,21 @@ class WholeLayerReads:
                     self._ahead = None
                 raise
         elif ahead is not None:  # never queued
+            _release(ahead)
             ahead = None
         self._ahead = None
         return ahead
+
+    def _start_prepared(self, layer: int) -> None:
+        """``_prepare`` and ``_start`` ``layer``'s read; a buffer of its own is let go if the
+        read could not be queued (tracked reads are let go by ``_fill`` or ``_settle``)."""
+        read = self._prepare(layer)
+        try:
+            self._start(read)
+        except BaseException:
+            if self._ahead is not read:
+                _release(read)
+            raise
 
     def take(self, layer: int, stats: LayerStats) -> ExpertPool:
         """``layer``'s every expert as a pool of its own (slot == expert id): the read ahead if
@@ -215,7 +227,7 @@ class WholeLayerReads:
         t0 = time.perf_counter()
         read = self._settle()
         if read is None or read.layer != layer:
-            self._start(self._prepare(layer))
+            self._start_prepared(layer)
             read = self._settle()
             if read is None:  # it failed: again, on this thread, to raise the error from here
                 read = self._prepare(layer)
@@ -239,11 +251,9 @@ class WholeLayerReads:
         if nbytes > READ_AHEAD_RAM_SHARE * psutil.virtual_memory().available:
             return
         try:
-            read = self._prepare(layer)
+            self._start_prepared(layer)
         except Exception as err:  # noqa: BLE001 - no room for a read ahead: the call reads itself
             log.debug("layer %d: no read ahead (%s)", layer, err)
-            return
-        self._start(read)
 
     @staticmethod
     def _pool(read: _Read) -> ExpertPool:
@@ -284,8 +294,6 @@ class WholeLayerReads:
         if self._copy_buf is not None:
             self._copy_buf.close()
             self._copy_buf = None
-        if self.copies is not None:
-            self.copies.close()
 
 
 def _fill(store: ExpertStore, read: _Read, copies: Optional[RowCopies]) -> None:
@@ -301,6 +309,7 @@ def _fill(store: ExpertStore, read: _Read, copies: Optional[RowCopies]) -> None:
         return
     pitch = blobs.shape[1]
     step = max(1, COPY_PIECE_BYTES // pitch)
+    failed = False
     try:
         for lo in range(0, n, step):
             hi = min(n, lo + step)
@@ -308,9 +317,22 @@ def _fill(store: ExpertStore, read: _Read, copies: Optional[RowCopies]) -> None:
             src = blobs.ctypes.data + lo * pitch
             for dst, offset, nbytes in read.targets:
                 copies.copy_rows(dst + lo * nbytes, nbytes, src + offset, pitch, nbytes, hi - lo)
+    except BaseException:
+        failed = True
+        raise
     finally:
         try:
             copies.wait()  # even after a failure: nothing may still write the buffer or arrays
+        except Exception as err:
+            if not failed:
+                raise
+            log.warning("layer %d: waiting for its copies failed as well (%s)", layer, err)
         finally:
-            if read.own is not None:
-                read.own.close()
+            _release(read)
+
+
+def _release(read: _Read) -> None:
+    """Let go of a read's own host buffer (once its copies have landed, or none was queued)."""
+    if read.own is not None:
+        read.own.close()
+        read.own = None

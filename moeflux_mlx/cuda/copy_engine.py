@@ -9,10 +9,13 @@ MLX's queues; their caller waits for them (``wait``) before any computation read
 from __future__ import annotations
 
 import ctypes
+import logging
 from typing import Optional
 
 from ..errors import DeviceSetupError
 from .runtime import PinnedBuffer, _cudart
+
+log = logging.getLogger(__name__)
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the addresses
 _NON_BLOCKING = 1  # cudaStreamNonBlocking: no implicit order with the legacy default stream
@@ -77,6 +80,13 @@ class CopyEngine:
 
 
 def copy_engine() -> Optional[CopyEngine]:
-    """The GPU's copy engines, or None where CUDA's runtime cannot be reached."""
+    """The GPU's copy engines, or None where CUDA's runtime cannot be reached or will not give
+    them a stream (the caller copies with a kernel then)."""
     rt = _cudart()
-    return None if rt is None else CopyEngine(rt[0])
+    if rt is None:
+        return None
+    try:
+        return CopyEngine(rt[0])
+    except DeviceSetupError as err:
+        log.warning("copy engines unavailable (%s): a prefill copies with a kernel", err)
+        return None

@@ -119,6 +119,8 @@ def make_cache(
     except BaseException:
         if prefetcher is not None:
             prefetcher.close()
+        if staging is not None and staging.copies is not None:
+            staging.copies.close()
         raise
     log.info(
         "expert cache: %.2f GB budget, %.2f GB in slots (%.0f%% of the experts)",
