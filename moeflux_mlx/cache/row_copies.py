@@ -17,6 +17,8 @@ from typing import Protocol
 
 import numpy as np
 
+from ..io.uncached import aligned_empty
+
 
 class HostBuffer(Protocol):
     """Host memory the copies read: ``array`` (uint8), page-aligned; ``close()`` lets it go."""
@@ -47,12 +49,10 @@ class RowCopies(Protocol):
 
 class _PlainBuffer:
     def __init__(self, nbytes: int):
-        self._raw = np.empty(max(nbytes, 1) + 4096, np.uint8)
-        skip = -self._raw.ctypes.data % 4096
-        self.array = self._raw[skip : skip + nbytes]
+        self.array = aligned_empty(nbytes)
 
     def close(self) -> None:
-        self.array = self._raw = None  # type: ignore[assignment]
+        self.array = None  # type: ignore[assignment]
 
 
 class HostRowCopies:
