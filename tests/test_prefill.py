@@ -586,3 +586,42 @@ def test_a_failed_wait_after_a_failed_read_keeps_the_read_error(tiny, monkeypatc
         monkeypatch.setattr(rt.cache.whole_reads.copies, "wait", wait)
         with pytest.raises(RuntimeError, match="stream is broken"):
             _prefill_logits(model, prompt)
+
+
+def test_layer_copy_kernel_copies_every_component():
+    """``cuda.layer_copy`` (CUDA: on a few blocks, out of mapped staging) gives each component's
+    bytes of every expert, padding left out, for any block count; where a component is not
+    16-byte sized it declines, and MLX's copies are used (everywhere)."""
+    from moeflux_mlx.cuda import layer_copy
+    from moeflux_mlx.cuda import runtime as cuda_runtime
+    from moeflux_mlx.format.layout import ExpertLayout
+
+    layout = ExpertLayout.from_tensors(
+        {
+            "gate_proj.weight": ("BF16", (37, 24, 10)),  # 480 bytes, padded to 512
+            "up_proj.weight": ("BF16", (37, 24, 8)),  # 384
+            "down_proj.weight": ("BF16", (37, 40, 8)),  # 640
+        },
+        None,
+    )
+    odd = ExpertLayout.from_tensors(
+        {"fc1.weight": ("F16", (3, 5, 3)), "fc2.weight": ("F16", (3, 3, 5))}, None
+    )  # 30 bytes each
+    staged = mx.array(
+        np.random.default_rng(1).integers(0, 256, (37, layout.blob_size), dtype=np.uint8)
+    )
+    assert layer_copy.copy_layer(staged[:, : odd.blob_size], odd) is None
+    if not cuda_runtime.table_available():
+        pytest.skip("the copy kernel needs MLX's CUDA backend")
+    staged = cuda_runtime.host_array((37, layout.blob_size))
+    rows = np.random.default_rng(2).integers(0, 256, (37, layout.blob_size), dtype=np.uint8)
+    np.frombuffer(memoryview(staged), np.uint8).reshape(37, -1)[:] = rows
+    for blocks in (1, 3, 16):
+        layer_copy.LAYER_COPY_BLOCKS, was = blocks, layer_copy.LAYER_COPY_BLOCKS
+        try:
+            got = layer_copy.copy_layer(staged, layout)
+        finally:
+            layer_copy.LAYER_COPY_BLOCKS = was
+        for c in layout.components:
+            want = rows[:, c.offset : c.offset + c.nbytes]
+            assert np.array_equal(np.array(got[c.name]), want), (blocks, c.name)

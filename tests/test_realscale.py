@@ -160,13 +160,14 @@ def test_store_reads_offsets_and_lengths(checkpoints, name):
 
 
 @pytest.mark.parametrize(
-    "sizes", [[1769472] * 5, [7077888, 1769472, 3 * 4096], [4096] * 3, [300_000]]
+    "sizes",
+    [[1769472] * 5, [7077888, 1769472, 3 * 4096], [4096] * 3, [300_000], [7077888] * 4],
 )
 @pytest.mark.parametrize("threads", [1, 3, 8])
 def test_a_call_s_reads_are_dealt_in_equal_shares(tmp_path, sizes, threads):
     """Every byte of a call's reads is read once, into its place; the shares are at most one per
     thread, all but the last the same page multiple and none but a lone one under the minimum,
-    and no piece is longer than ``READ_PIECE_BYTES``."""
+    and no piece is longer than ``READ_PIECE_BYTES``, or for a large share an eighth of it."""
     from moeflux_mlx.io import store as st
 
     rng = np.random.default_rng(0)
@@ -192,7 +193,11 @@ def test_a_call_s_reads_are_dealt_in_equal_shares(tmp_path, sizes, threads):
         assert len(set(per_share[:-1])) == 1 and per_share[0] % st.PAGE_BYTES == 0
         assert per_share[-1] <= per_share[0] and per_share[0] >= st.MIN_SHARE_BYTES
     assert len(shares) == min(threads, max(1, sum(sizes) // st.MIN_SHARE_BYTES))
-    assert max(len(job[3]) for share in shares for job in share) <= st.READ_PIECE_BYTES
+    longest = max(len(job[3]) for share in shares for job in share)
+    assert longest <= max(st.READ_PIECE_BYTES, per_share[0] // st.PIECES_PER_SHARE + st.PAGE_BYTES)
+    assert (
+        longest <= st.READ_PIECE_BYTES or per_share[0] > st.PIECES_PER_SHARE * st.READ_PIECE_BYTES
+    )
 
 
 @pytest.mark.parametrize("name", MODELS)

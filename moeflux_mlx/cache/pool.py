@@ -80,11 +80,21 @@ class DeviceStaging:
     ordering). Requests over ``STAGING_KEEP_BYTES`` (prefill) get a buffer of their own that is
     not kept. ``allocate(shape)``: a uint8 MLX array the GPU reads in place. ``copies``: where
     a prefill's whole layers go to the device beside MLX (``cache.row_copies``; None: through
-    ``allocate``'s staging and a copy kernel)."""
+    ``allocate``'s staging and a copy kernel). ``copy_layer(staged, layout)``: that copy kernel,
+    a layer's components as device arrays, lazy (CUDA: ``cuda.layer_copy``; None, or None
+    returned: MLX's copies)."""
 
-    def __init__(self, allocate: Callable[[tuple], mx.array], copies: Optional[RowCopies] = None):
+    def __init__(
+        self,
+        allocate: Callable[[tuple], mx.array],
+        copies: Optional[RowCopies] = None,
+        copy_layer: Optional[
+            Callable[[mx.array, ExpertLayout], Optional[Dict[str, mx.array]]]
+        ] = None,
+    ):
         self.allocate = allocate
         self.copies = copies
+        self.copy_layer = copy_layer
         self._buf: Optional[mx.array] = None
 
     def get(self, n: int, blob_size: int) -> mx.array:

@@ -236,7 +236,7 @@ class WholeLayerReads:
         stats.io_s += t1 - t0  # the wait: what the read ahead did not hide
         stats.experts_read += read.layout.num_experts
         stats.bytes_read += read.blobs.nbytes
-        pool = self._pool(read)
+        pool = self._pool(read, self.staging)
         stats.upload_s += time.perf_counter() - t1
         return pool
 
@@ -256,7 +256,7 @@ class WholeLayerReads:
             log.debug("layer %d: no read ahead (%s)", layer, err)
 
     @staticmethod
-    def _pool(read: _Read) -> ExpertPool:
+    def _pool(read: _Read, staging: Optional[DeviceStaging]) -> ExpertPool:
         layout, n = read.layout, read.layout.num_experts
 
         def typed(raw: Dict[str, mx.array]) -> Dict[str, mx.array]:
@@ -273,14 +273,16 @@ class WholeLayerReads:
             arrays = typed(read.raw)
         else:
             # beside the computation on the default stream, not behind it
+            assert staging is not None
             with mx.stream(_stream("copy")):
                 staged = read.staged[: read.blobs.size].reshape(read.blobs.shape)
-                arrays = typed(
-                    {
+                copied = None if staging.copy_layer is None else staging.copy_layer(staged, layout)
+                if copied is None:
+                    copied = {
                         c.name: mx.contiguous(staged[:, c.offset : c.offset + c.nbytes])
                         for c in layout.components
                     }
-                )
+                arrays = typed(copied)
         return ExpertPool(arrays, layout.quantization, layout.overrides)
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ SOURCE_FILES = (
     "fill_cuda.cuh",
     "write_cuda.cuh",
     "hint_cuda.cuh",
+    "layer_copy_cuda.cuh",
     *PRELUDE.values(),
     *ENTRY.values(),
     *METAL_SHIMS,

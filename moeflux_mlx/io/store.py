@@ -41,6 +41,10 @@ READ_PIECE_BYTES = 512 << 10
 # idle, and a miss batch of a few experts is only a few rounds. Shares are at least this
 # large, so a small read is not cut into pieces the disk serves at a lower rate.
 MIN_SHARE_BYTES = 256 << 10
+# A large call (a prefill's whole layer) is read in larger pieces, this many a share: from the
+# page cache a piece's cost is mostly its call's, and whole 2.6 MB experts read at 25 GB/s
+# where 512 KiB pieces gave 18-22 (docs/benchmarks.md, "Prefill").
+PIECES_PER_SHARE = 8
 PAGE_BYTES = 4096
 # A part's runs (a tensor-parallel down projection: part of every row) with gaps shorter than
 # this are read as one span, gaps included: the disk reads whole pages (16 KiB on Apple silicon)
@@ -381,25 +385,35 @@ def open_store(
     return ExpertStore(layers, mode, threads), model_layout
 
 
-def _chunks(fd: Union[int, UncachedFile], start: int, into: np.ndarray, what: str) -> List[tuple]:
+def _chunks(
+    fd: Union[int, UncachedFile],
+    start: int,
+    into: np.ndarray,
+    what: str,
+    piece: int = READ_PIECE_BYTES,
+) -> List[tuple]:
     """Read jobs for the contiguous bytes at ``start`` of a file (a descriptor, or its uncached
-    reader) that fill ``into``, in pieces of at most ``READ_PIECE_BYTES`` (for the read threads)."""
+    reader) that fill ``into``, in pieces of at most ``piece`` bytes (for the read threads)."""
     n = len(into)
     if isinstance(fd, UncachedFile):
-        return [
-            (fd.read, start + off, into[off : off + READ_PIECE_BYTES], what)
-            for off in range(0, n, READ_PIECE_BYTES)
-        ]
+        return [(fd.read, start + off, into[off : off + piece], what) for off in range(0, n, piece)]
     return [
-        (readers.read_exact, fd, start + off, memoryview(into[off : off + READ_PIECE_BYTES]), what)
-        for off in range(0, n, READ_PIECE_BYTES)
+        (readers.read_exact, fd, start + off, memoryview(into[off : off + piece]), what)
+        for off in range(0, n, piece)
     ]
+
+
+def piece_bytes(share: int) -> int:
+    """The pieces a share of ``share`` bytes is read in: ``READ_PIECE_BYTES``, or for a large
+    share ``PIECES_PER_SHARE`` pieces (page multiples)."""
+    larger = -(-share // PIECES_PER_SHARE // PAGE_BYTES) * PAGE_BYTES
+    return max(READ_PIECE_BYTES, larger)
 
 
 def balanced_shares(reads: List[tuple], threads: int) -> List[List[tuple]]:
     """One call's contiguous reads ``(fd, start, into, what)`` dealt into at most ``threads``
     shares of equal bytes (page multiples, at least ``MIN_SHARE_BYTES``), in order: a share is
-    the ``read_exact`` jobs, each at most ``READ_PIECE_BYTES``, that one thread runs in turn. A
+    the ``read_exact`` jobs, each at most ``piece_bytes(share)``, that one thread runs in turn. A
     read may be split between two shares.
 
     Args:
@@ -414,6 +428,7 @@ def balanced_shares(reads: List[tuple], threads: int) -> List[List[tuple]]:
     n = max(1, min(threads, total // MIN_SHARE_BYTES))
     size = -(-total // n)
     size = -(-size // PAGE_BYTES) * PAGE_BYTES
+    piece = piece_bytes(size)
     shares: List[List[tuple]] = []
     share: List[tuple] = []
     room = size
@@ -421,7 +436,7 @@ def balanced_shares(reads: List[tuple], threads: int) -> List[List[tuple]]:
         at = 0
         while at < len(into):
             k = min(room, len(into) - at)
-            share += _chunks(fd, start + at, into[at : at + k], what)
+            share += _chunks(fd, start + at, into[at : at + k], what, piece)
             at, room = at + k, room - k
             if room == 0:
                 shares.append(share)

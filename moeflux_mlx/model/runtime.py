@@ -18,6 +18,7 @@ from ..cache.protocol import ExpertCache
 from ..cache.row_copies import HostRowCopies, RowCopies
 from ..cache.staging import StagingCache
 from ..compute.backend import Backend, backend_report, select_backend, served_summary
+from ..cuda import layer_copy
 from ..cuda import runtime as cuda_runtime
 from ..cuda.copy_engine import copy_engine
 from ..cuda.table_cache import TableCache, table_layers
@@ -82,7 +83,7 @@ def make_cache(
     if note:
         log.warning("expert cache budget %s", note)
     staging = (
-        DeviceStaging(cuda_runtime.host_array, _row_copies(options))
+        DeviceStaging(cuda_runtime.host_array, _row_copies(options), layer_copy.copier())
         if cuda_runtime.device_slot_writes(options.slot_writes)
         else None
     )

@@ -1,0 +1,78 @@
+"""A prefill's whole layer from mapped host staging to the device, on a few of the GPU's blocks
+(``DeviceStaging.copy_layer``, used by ``cache.whole_layer`` on CUDA).
+
+A prefill at a small budget moves every expert of a layer to the device while the previous
+layer computes. MLX's own copy kernel launches a block for every few kilobytes and so takes
+every SM while the bytes cross PCIe: the computation beside it waits. ``layer_copy_cuda.cuh``
+keeps ``LAYER_COPY_BLOCKS`` blocks, each thread with ``DEPTH`` loads in flight, enough to fill
+the link, and leaves the other SMs to the computation (docs/benchmarks.md, "Prefill").
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from typing import Callable, Dict, Optional
+
+import mlx.core as mx
+
+from ..compute.kernel_source import load_source
+from ..format.layout import ExpertLayout
+from .runtime import table_available
+
+# blocks of THREADS threads: a few of an H100's 132 SMs. 0: MLX's copy kernel (every SM), kept
+# for benchmarks/probes/prefill_timeline_probe.py to compare against.
+LAYER_COPY_BLOCKS = 16
+THREADS = 256
+DEPTH = 4  # 16-byte loads in flight per thread
+
+
+def copier() -> Optional[Callable[[mx.array, ExpertLayout], Optional[Dict[str, mx.array]]]]:
+    """``copy_layer`` where its kernel can run (MLX's CUDA backend on the GPU), else None."""
+    return copy_layer if table_available() else None
+
+
+def copy_layer(staged: mx.array, layout: ExpertLayout) -> Optional[Dict[str, mx.array]]:
+    """Each component of ``staged`` (``[n, blob_size]`` uint8, in mapped host staging) as a
+    ``[n, nbytes]`` uint8 array on the device, copied by ``LAYER_COPY_BLOCKS`` blocks; lazy, on
+    the caller's stream.
+
+    Args:
+        staged: the layer's blobs, row-contiguous, readable by the GPU in place.
+        layout: the layer's expert layout.
+
+    Returns:
+        The arrays by component name; None where the kernel does not apply (a component not
+        16-byte sized, or ``LAYER_COPY_BLOCKS`` 0): the caller copies with MLX then.
+    """
+    parts = tuple((c.offset, c.nbytes) for c in layout.components)
+    if LAYER_COPY_BLOCKS <= 0 or layout.blob_size % 16 or any(o % 16 or b % 16 for o, b in parts):
+        return None
+    outs = _kernel(layout.blob_size, parts)(
+        inputs=[staged],
+        grid=(LAYER_COPY_BLOCKS * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(staged.shape[0], b) for _, b in parts],
+        output_dtypes=[mx.uint8] * len(parts),
+    )
+    return {c.name: out for c, out in zip(layout.components, outs)}
+
+
+@functools.cache
+def _kernel(blob_size: int, parts: tuple):
+    """The copy kernel for one layout: the components' offsets and sizes are compiled in."""
+    stores = "\n      else ".join(
+        f"if ({f'r >= {o // 16} && ' if o else ''}r < {(o + b) // 16}) "
+        f"reinterpret_cast<uint4*>(o{i})[e * {b // 16} + (r - {o // 16})] = v[u];"
+        for i, (o, b) in enumerate(parts)
+    )
+    header = f"#define MF_BLOB {blob_size}ll\n#define MF_DEPTH {DEPTH}\n"
+    body = load_source("layer_copy_cuda.cuh").replace("MF_STORE_COMPONENTS", stores)
+    digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
+    return mx.fast.cuda_kernel(
+        name=f"moeflux_layer_copy_{digest}",
+        input_names=["blobs"],
+        output_names=[f"o{i}" for i in range(len(parts))],
+        source=body,
+        header=header,
+    )
