@@ -168,21 +168,28 @@ def main() -> int:
         for t, b, skip in variants:
             layer_copy.LAYER_COPY_BLOCKS, timed.skip_async = b, skip
             s_stock, tok_stock = first_token(stock, prompt)
+            rt = models[t].moeflux
+            rt.reset_stats()
             EVENTS.clear()
             t0 = time.perf_counter()
             s, tok = first_token(models[t], prompt)
+            d = rt.stats_dict()["total"]
+            whole = sum(ly.num_experts for ly in rt.layout.layers.values())
+            # beyond the whole layers: the last prompt token's misses, and the GPU's waits
+            tail_io = (d["experts_missed"] - whole, d["gpu_waits"], d["gpu_wait_s"] * 1e3)
             name = f"{t} threads, {b} blocks{', no async_eval' if skip else ''}"
             events = list(EVENTS)
             last = max((e[3] for e in events if e[0] == "lookup" and e[1] >= 0), default=t0)
             tail = s - (last - t0)  # after the last whole-layer call: its layer, the last token
             results.setdefault(name, []).append(
-                (s / s_stock, s, s_stock, tok == tok_stock, *split(events, t0), tail)
+                (s / s_stock, s, s_stock, tok == tok_stock, *split(events, t0), tail, tail_io)
             )
     print(
         "\n| read threads, copy blocks (0: MLX's kernel) | x stock | s | stock s | same token "
-        "| ms: async_eval | take | eval | lookup | read (thread) | tail |"
+        "| ms: async_eval | take | eval | lookup | read (thread) | tail "
+        "| last token: misses | GPU waits | their ms |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("|" + " --- |" * 14)
     for name, runs in results.items():
         runs.sort(key=lambda r: r[0])
         mid = runs[len(runs) // 2]
@@ -191,7 +198,8 @@ def main() -> int:
             f"| {name} | {statistics.median(r[0] for r in runs):.2f} | {mid[1]:.3f} "
             f"| {mid[2]:.3f} | {all(r[3] for r in runs)} | {sums.get('async_eval', 0):.1f} "
             f"| {sums.get('take', 0):.1f} | {sums.get('eval', 0):.1f} "
-            f"| {sums.get('lookup', 0):.1f} | {sums.get('read', 0):.1f} | {mid[6] * 1e3:.1f} |"
+            f"| {sums.get('lookup', 0):.1f} | {sums.get('read', 0):.1f} | {mid[6] * 1e3:.1f} "
+            f"| {mid[7][0]} | {mid[7][1]} | {mid[7][2]:.1f} |"
         )
     for name, runs in results.items():
         print(f"\n## timeline, {name} (the median round)")

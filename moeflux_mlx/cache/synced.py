@@ -13,9 +13,9 @@ The next layer's read starts at once, in the background (``whole_layer``).
 The model's graph then stays lazy, as stock mlx-lm's: outputs nobody asks for (the last layer's,
 in a prefill chunk) are never computed, where a host sync per layer and ``mx.async_eval`` of every
 output forced them. Memory stays bounded: the next such call of the same forward pass starts the
-previous layer's computation, reads its own layer meanwhile, and then waits for it, so at most two
-of these pools are alive; a call on an earlier layer (a new forward pass) forgets the previous
-one without forcing it.
+previous layer's computation, reads its own layer meanwhile, and waits for the layer before
+that, so at most two of these pools are alive and the device always has a layer queued; a call
+on an earlier layer (a new forward pass) forgets the previous one without forcing it.
 """
 
 from __future__ import annotations
@@ -69,8 +69,11 @@ class HostSyncCache:
             DEFAULT_PREFILL_WHOLE_LAYER if prefill_whole_layer is None else prefill_whole_layer
         )
         self._whole: Optional[int] = None  # the layer of the last lookup, if it read it whole
-        # (layer, output) of the last whole-layer call, not forced yet: see the module's text
-        self._pending: Optional[Tuple[int, mx.array]] = None
+        self._whole_pool: Optional[ExpertPool] = None  # and its pool
+        # (layer, output, pool) of the last whole-layer call, not forced yet: see the module's
+        # text; and the output of the one before, queued, not yet waited for
+        self._pending: Optional[Tuple[int, mx.array, ExpertPool]] = None
+        self._older: Optional[mx.array] = None
         self.whole_reads = WholeLayerReads(store, staging, prefill_read_ahead)
         self._read_whole: Optional[List[int]] = None  # layers with fewer slots than experts
 
@@ -109,9 +112,9 @@ class HostSyncCache:
         """Every lookup starts here (the device-side table's too): a call on the layer of the
         held whole-layer output or an earlier one starts a new forward pass, whose predecessor's
         unused output stays lazy and is let go (with its pool)."""
-        self._whole = None
+        self._whole = self._whole_pool = None
         if self._pending is not None and self._pending[0] >= layer:
-            self._pending = None
+            self._pending = self._older = None
 
     def lookup(
         self, layer: int, x: mx.array, indices: mx.array, stats: LayerStats
@@ -145,19 +148,26 @@ class HostSyncCache:
         prev, self._pending = self._pending, None
         if prev is not None:
             mx.async_eval(prev[1])  # the previous layer computes while this one is read
+        t0 = time.perf_counter()
+        # Wait for the output of the layer before the previous one (its pool is freed then: with
+        # the previous layer's and this one's, at most two such pools alive) and for the previous
+        # layer's copies out of staging (CUDA), whose buffer the next read reuses. The previous
+        # layer's computation stays queued, so the device works on while Python builds the next
+        # layer (waiting for it here, the device sat idle meanwhile).
+        older, self._older = self._older, None if prev is None else prev[1]
+        mx.eval(
+            ([] if older is None else [older])
+            + ([] if prev is None else list(prev[2].arrays.values()))
+        )
+        stats.sync_s += time.perf_counter() - t0  # waiting for the device
         pool = self.whole_reads.take(layer, stats)
+        mx.async_eval(list(pool.arrays.values()))  # copies beside the previous layer's computation
         nxt = self._next_whole(layer)
         if nxt is not None:
             self.whole_reads.ahead(nxt)
-        t0 = time.perf_counter()
-        # the copies out of staging (CUDA) run beside the previous layer's computation and free
-        # the staging for reuse; the previous pool is freed once its computation ran: at most
-        # two such pools alive
-        mx.eval(([] if prev is None else [prev[1]]) + list(pool.arrays.values()))
-        stats.sync_s += time.perf_counter() - t0  # waiting for the device
         n = self.store.layout(layer).num_experts
         self._synced = False
-        self._whole = layer
+        self._whole, self._whole_pool = layer, pool
         stats.calls += 1
         stats.unsynced_calls += 1
         stats.tokens += indices.size // indices.shape[-1]  # the shape needs no sync
@@ -199,8 +209,9 @@ class HostSyncCache:
 
     def computed(self, out: mx.array) -> None:
         if self._whole is not None:  # its pool is its own: nothing to order, nothing to force
-            self._pending = (self._whole, out)
-            self._whole = None
+            assert self._whole_pool is not None
+            self._pending = (self._whole, out, self._whole_pool)
+            self._whole = self._whole_pool = None
             return
         if self._synced:
             mx.async_eval(out)  # the pool's next write must not overtake this read
@@ -212,7 +223,7 @@ class HostSyncCache:
         pass
 
     def close(self) -> None:
-        self._pending = None
+        self._pending = self._older = None
         self.whole_reads.close()
         if self.staging is not None and self.staging.copies is not None:
             self.staging.copies.close()  # made for this cache with its staging (make_cache)

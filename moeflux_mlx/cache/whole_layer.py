@@ -10,8 +10,9 @@ Who writes what, and when:
   never writes a buffer while an earlier one (even one abandoned by an interrupt) still does.
   The caller waits for a read it takes (``_settle``).
 - A buffer is handed to a new read only after the device copies out of it were evaluated
-  (``whole_lookup`` evaluates them before it returns): device staging (CUDA) alternates between
-  two buffers, one being copied out of while the next layer is read into the other.
+  (``whole_lookup`` evaluates the previous layer's copies before it takes or starts a read):
+  device staging (CUDA) alternates between two buffers, one being copied out of while the next
+  layer is read into the other.
 - With ``DeviceStaging.copies`` (the GPU's copy engines) the read thread itself copies each
   piece of the layer it has read into arrays made for that layer, and waits for those copies
   before its read ends, even a failed one: its one host buffer is free again when the next
@@ -219,7 +220,7 @@ class WholeLayerReads:
     def take(self, layer: int, stats: LayerStats) -> ExpertPool:
         """``layer``'s every expert as a pool of its own (slot == expert id): the read ahead if
         it was this layer's, else read now. With device staging the pool's arrays are copies
-        queued on a stream of their own: evaluate them before the next ``take``.
+        queued on a stream of their own: evaluate them before the next ``take`` or ``ahead``.
 
         Raises:
             ExpertReadError: the layer's read failed.
