@@ -46,6 +46,7 @@ from moeflux_mlx.commands.bench import (  # noqa: E402
     benchmark_model,
 )
 from moeflux_mlx.format.checkpoint import expert_layout  # noqa: E402
+from moeflux_mlx.options import DEFAULT_THREADS  # noqa: E402
 
 
 def _floats(text: str):
@@ -292,7 +293,12 @@ def main(argv=None) -> int:
         help="on,off: whole layers to the GPU on its copy engines, or by a copy kernel out of "
         "mapped staging (the load option prefill_dma; default off, as the option's)",
     )
-    p.add_argument("--threads", type=_ints, default=[8], help="read threads, e.g. 8,16 (default 8)")
+    p.add_argument(
+        "--threads",
+        type=_ints,
+        default=[DEFAULT_THREADS],
+        help=f"read threads, e.g. 8,16 (default: the package's, {DEFAULT_THREADS} here)",
+    )
     p.add_argument("--bench-backend", default=None, help="expert backend (default: auto)")
     p.add_argument("--cold", action="store_true", help="drop the page cache before each run")
     p.add_argument("--repeats", type=int, default=3)

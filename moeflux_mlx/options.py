@@ -143,6 +143,12 @@ _ARGUMENTS: Dict[str, Callable[[Any], Any]] = {
 }
 
 
+# parallel expert reads: the cores, from 8 to 16. A prefill's whole-layer reads from the page cache
+# run faster on 16 threads than on 8 where the cores are there, and decode's few experts a layer
+# read no slower (docs/benchmarks.md, "Prefill")
+DEFAULT_THREADS = min(16, max(8, os.cpu_count() or 8))
+
+
 @dataclass(frozen=True)
 class LoadOptions:
     """How a model's experts are streamed: what ``moeflux_mlx.load`` and ``patch_model`` take.
@@ -191,7 +197,7 @@ class LoadOptions:
     backend: str = "auto"
     cache_budget: Budget = None
     prefetch: bool = False
-    threads: int = 8
+    threads: int = DEFAULT_THREADS
     device_table: Optional[bool] = None
     slot_writes: Optional[str] = None
     eviction: str = "transition"

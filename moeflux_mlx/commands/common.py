@@ -32,6 +32,7 @@ from ..model.sharded import sharded_load
 from ..options import (
     BACKENDS,
     BINARY_UNITS,
+    DEFAULT_THREADS,
     EVICTIONS,
     IO_MODES,
     SI_UNITS,
@@ -151,15 +152,19 @@ LOAD_OPTIONS = (
         dict(
             type=str.lower,
             choices=EVICTIONS,
-            help="which resident expert a miss replaces: decay (decayed use counts), lru (least "
+            help="which resident expert a miss replaces: transition (decayed use counts raised "
+            "by what tends to follow the current call), decay (decayed use counts), lru (least "
             "recently used), lfu, lfuda (LFU with aging) or s3fifo (default: $MOEFLUX_EVICTION "
-            "or decay)",
+            "or transition)",
         ),
     ),
     (
         "--threads",
         dict(
-            type=positive_int, metavar="N", help="parallel expert reads in pread mode (default: 8)"
+            type=positive_int,
+            metavar="N",
+            help=f"parallel expert reads in pread mode (default: $MOEFLUX_THREADS or "
+            f"{DEFAULT_THREADS}: the cores, 8 to 16)",
         ),
     ),
     (
