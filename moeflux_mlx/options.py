@@ -22,6 +22,8 @@ Plain Python: the miss server process imports it without MLX.
                                                       the next layer while this one computes
     MOEFLUX_PREFILL_DMA          prefill_dma          0/off (default) | 1/on: on CUDA such a prefill
                                                       uploads its layers on the copy engines
+    MOEFLUX_PREFILL_WARM_SLOTS   prefill_warm_slots   0/off | 1/on (default): such a prefill leaves
+                                                      the experts it routed most in the slots
 
 Cache budgets (``parse_budget``): ``"all"``, ``0``, a fraction of RAM in (0, 1] (``0.25``), or a
 size with a unit: ``B``, SI ``kB`` ``MB`` ``GB`` ``TB`` (powers of 1000) or binary ``KiB`` ``MiB``
@@ -104,6 +106,7 @@ ENVIRONMENT: Dict[str, Tuple[str, Callable[[str], Any]]] = {
     "prefill_whole_layer": ("MOEFLUX_PREFILL_WHOLE_LAYER", _number(0, strict_minimum=False)),
     "prefill_read_ahead": ("MOEFLUX_PREFILL_READ_AHEAD", _switch),
     "prefill_dma": ("MOEFLUX_PREFILL_DMA", _switch),
+    "prefill_warm_slots": ("MOEFLUX_PREFILL_WARM_SLOTS", _switch),
 }
 # a call routing at least this many (token, expert) rows per expert of its layer names nearly
 # every expert (1 - e^-4 = 98% at uniform routing): reading the whole layer costs few extra bytes
@@ -189,6 +192,10 @@ class LoadOptions:
             piece as they are read, beside the computation; off (the default: slower so far,
             docs/benchmarks.md "Prefill"): a copy kernel reads them out of mapped host staging,
             on the GPU's cores.
+        prefill_warm_slots: once each layer of such a prefill has computed, the layer's slots
+            take the experts its rows routed most, copied from its whole-layer pool (no read):
+            the prompt's last token and the first generated ones, which mlx-lm decodes one at a
+            time, then find many of theirs resident.
         table_every_layer: benchmarks only: fully cached layers are looked up through the
             device-side table too, to measure what the lookup itself costs.
     """
@@ -207,6 +214,7 @@ class LoadOptions:
     prefill_whole_layer: float = DEFAULT_PREFILL_WHOLE_LAYER
     prefill_read_ahead: bool = True
     prefill_dma: bool = False
+    prefill_warm_slots: bool = True
     table_every_layer: bool = False
 
     @classmethod

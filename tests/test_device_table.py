@@ -809,3 +809,31 @@ def test_decode_through_the_table_lets_the_prefill_s_held_output_go(
         assert rt.cache.name == "table"
         assert _greedy(model, prompt) == want
         assert rt.stats.total().unsynced_calls > 0 and rt.cache._pending is None
+
+
+def test_a_whole_layer_prefill_warms_the_table_s_slots(table_on_cpu, reference, monkeypatch):
+    """Through the table, a whole-layer prefill's layers (all but the last, never computed)
+    leave experts in the slots, admitted by the miss server and copied from their whole-layer
+    pools (in place on CUDA), each slot holding its expert's bytes; off, none."""
+    packed, prompt, want, total = reference
+    monkeypatch.setenv("MOEFLUX_PREFILL_WHOLE_LAYER", "1")
+    held = {}
+    for warm in ("on", "off"):
+        monkeypatch.setenv("MOEFLUX_PREFILL_WARM_SLOTS", warm)
+        model, _ = moeflux_mlx.load(
+            packed, cache_budget=int(0.3 * total), device_table=True, backend="ops"
+        )
+        with model.moeflux as rt:
+            cache = make_prompt_cache(model)
+            model(prompt[None], cache=cache)
+            mx.eval([c.state for c in cache])
+            rt.cache.begin_call(0)  # the next pass: the last computed layer is warmed too
+            layers = sorted(rt.layout.layers)
+            held[warm] = {
+                i: int((rt.cache.slot_of(i) >= 0).sum()) if i in rt.cache.pools else 0
+                for i in layers
+            }
+            assert _pool_holds_the_right_experts(rt) == sum(held[warm].values())
+            assert _greedy(model, prompt) == want
+    assert all(held["on"][i] > 0 for i in layers[:-1]) and held["on"][layers[-1]] == 0
+    assert sum(held["off"].values()) == 0

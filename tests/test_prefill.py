@@ -257,7 +257,12 @@ def test_next_layer_is_read_ahead(tiny, monkeypatch, writes, ahead):
 
 
 @pytest.mark.parametrize(
-    "field,var,default", [("prefill_read_ahead", "READ_AHEAD", True), ("prefill_dma", "DMA", False)]
+    "field,var,default",
+    [
+        ("prefill_read_ahead", "READ_AHEAD", True),
+        ("prefill_dma", "DMA", False),
+        ("prefill_warm_slots", "WARM_SLOTS", True),
+    ],
 )
 def test_prefill_switches(monkeypatch, field, var, default):
     assert getattr(LoadOptions.resolve(), field) is default
@@ -625,3 +630,70 @@ def test_layer_copy_kernel_copies_every_component():
         for c in layout.components:
             want = rows[:, c.offset : c.offset + c.nbytes]
             assert np.array_equal(np.array(got[c.name]), want), (blocks, c.name)
+
+
+@pytest.mark.parametrize("writes", WRITES)
+@pytest.mark.parametrize("warm", [True, False])
+def test_a_prefill_leaves_its_most_routed_experts_in_the_slots(tiny, monkeypatch, writes, warm):
+    """Once each whole-layer call has computed, its layer's slots hold the experts its rows
+    routed most (of equals, the latest), with their bytes; not the last layer, whose output a
+    prefill never computes. Off, the slots stay empty. Greedy decode stays exact either way."""
+    from moeflux_mlx.cache.synced import HostSyncCache
+
+    packed, prompt, _, want_tokens = tiny
+    _set_writes(monkeypatch, writes)
+    monkeypatch.setenv("MOEFLUX_PREFILL_WARM_SLOTS", "on" if warm else "off")
+    routed = {}
+    real = HostSyncCache.whole_lookup
+
+    def spy(self, layer, indices, stats):
+        routed[layer] = indices
+        return real(self, layer, indices, stats)
+
+    monkeypatch.setattr(HostSyncCache, "whole_lookup", spy)
+    model = _load(monkeypatch, packed, ROWS, expert_io="pread")
+    with model.moeflux as rt:
+        cache = make_prompt_cache(model)
+        model(prompt[None], cache=cache)  # a prefill chunk: logits never evaluated
+        mx.eval([c.state for c in cache])
+        rt.cache.begin_call(0)  # the next pass starts: the last computed layer is warmed too
+        layers = sorted(routed)
+        assert layers == sorted(rt.layout.layers)
+        for layer in layers:
+            slot_of = rt.cache.slot_of(layer)
+            held = [] if slot_of is None else np.flatnonzero(slot_of >= 0).tolist()
+            if not warm or layer == layers[-1]:
+                assert held == []
+                continue
+            idx = np.array(routed[layer]).reshape(-1)
+            n = rt.cache.slot_count(layer)
+            rank = sorted(
+                set(idx.tolist()), key=lambda e: (-np.sum(idx == e), -np.flatnonzero(idx == e)[-1])
+            )
+            assert held == sorted(rank[:n])
+            pool = rt.cache.pools[layer]
+            blobs = rt.store.read(layer, np.array(held))
+            for c in pool.layout.components:
+                got = np.array(pool.raw[c.name])[slot_of[held]]
+                assert np.array_equal(got, blobs[:, c.offset : c.offset + c.nbytes]), (
+                    layer,
+                    c.name,
+                )
+        assert _greedy(model, prompt) == want_tokens
+
+
+def test_whole_blobs_gathers_experts_as_stored(tiny, monkeypatch):
+    """``whole_blobs`` (what the device-side table writes into slots from a whole-layer pool)
+    puts each component at its offset and zeroes the padding: the blobs as the store reads them
+    (a converted file pads with zeros), in the order asked for."""
+    from moeflux_mlx.cache.pool import whole_blobs
+
+    packed, _, _, _ = tiny
+    model = _load(monkeypatch, packed, ROWS, expert_io="pread")
+    with model.moeflux as rt:
+        layer = min(rt.layout.layers)
+        layout = rt.store.layout(layer)
+        pool = rt.cache.whole_reads.take(layer, rt.stats.layer(layer))
+        experts = np.array([layout.num_experts - 1, 0, 3])
+        want = np.stack([rt.store.read(layer, np.array([e]))[0].copy() for e in experts])
+        assert np.array_equal(np.array(whole_blobs(pool, layout, experts)), want)

@@ -25,7 +25,14 @@ from ..io.prefetch import Prefetcher
 from ..io.store import ExpertStore
 from ..stats import LayerStats
 from .policy import EvictionPolicy, LRUPolicy
-from .pool import DeviceStaging, ExpertPool, SlotPool, read_blobs, write_blobs
+from .pool import (
+    DeviceStaging,
+    ExpertPool,
+    SlotPool,
+    copy_from_whole,
+    read_blobs,
+    write_blobs,
+)
 from .staging import StagingCache
 from .synced import HostSyncCache
 
@@ -48,7 +55,8 @@ class BudgetCache(HostSyncCache):
     """Slot pools under a byte budget, split over layers by their size; eviction by ``policy``.
 
     ``staging``: device slot writes (CUDA), else host writes. ``prefetcher``,
-    ``prefill_whole_layer``, ``prefill_read_ahead``: see ``HostSyncCache``."""
+    ``prefill_whole_layer``, ``prefill_read_ahead``: see ``HostSyncCache``;
+    ``prefill_warm_slots``: see ``warm_slots`` (``LoadOptions.prefill_warm_slots``)."""
 
     name = "decay"  # the eviction policy's name (set per instance)
 
@@ -62,8 +70,10 @@ class BudgetCache(HostSyncCache):
         policy: Type[EvictionPolicy] = LRUPolicy,
         prefill_whole_layer: Optional[float] = None,
         prefill_read_ahead: bool = True,
+        prefill_warm_slots: bool = True,
     ):
         super().__init__(store, prefetcher, prefill_whole_layer, staging, prefill_read_ahead)
+        self.prefill_warm_slots = prefill_warm_slots
         self.budget_bytes = budget_bytes
         self.n_slots = slots_per_layer(layout, budget_bytes)
         self.policy_class = policy
@@ -118,6 +128,12 @@ class BudgetCache(HostSyncCache):
     ) -> None:
         write_blobs(pool, slots, blobs, stats)
 
+    def _copy_in(
+        self, layer: int, pool: SlotPool, slots: np.ndarray, whole: ExpertPool, experts: np.ndarray
+    ) -> None:
+        """Copy ``experts`` of a whole-layer pool into ``slots`` (``warm_slots``)."""
+        copy_from_whole(pool, slots, whole, experts)
+
     # -----------------------------------------------------------------------------------------
 
     def _pool(self, layer: int) -> SlotPool:
@@ -159,6 +175,22 @@ class BudgetCache(HostSyncCache):
         slot_of = self.slot_of(layer)
         assert slot_of is not None  # the layer's bookkeeping exists once its pool does
         return slot_of[experts].astype(np.uint32), pool.pool
+
+    def warm_slots(self, layer: int, experts: np.ndarray, whole: ExpertPool) -> None:
+        if not self.prefill_warm_slots or not experts.size:
+            return
+        if layer in self.resident or self._fills_whole(layer):
+            return
+        pool = self._pool(layer)
+        missing, victims = self._admit(layer, experts)
+        if not missing.size:
+            return
+        try:
+            self._copy_in(layer, pool, victims, whole, missing)
+        except BaseException:  # the victims were freed: nothing claims bytes that never came
+            self._release(layer, missing)
+            raise
+        self._assigned(layer, missing, victims)
 
     def _held(self, layer: int, experts: np.ndarray) -> Optional[Tuple[SlotPool, np.ndarray]]:
         """``(pool, slot per expert or -1)`` of the layer's slots, for a call staged uncached;

@@ -174,16 +174,55 @@ def copy_slots(dst: SlotPool, slots: np.ndarray, src: SlotPool, src_slots: np.nd
     views where both are host-written, else on the device (lazy: it reads ``src`` in stream
     order, before any later write of ``src``)."""
     if dst.host is not None and src.host is not None:
-        for c in dst.layout.components:
-            dst.host[c.name][slots] = src.host[c.name][src_slots]
-        return
+        _copy_host(dst, slots, src.host, src_slots)
+    else:
+        _copy_device(dst, slots, src.raw, src_slots)
+
+
+def _copy_host(dst: SlotPool, slots: np.ndarray, src: Dict[str, np.ndarray], rows) -> None:
+    for c in dst.layout.components:
+        dst.host[c.name][slots] = src[c.name][rows]  # type: ignore[index]
+
+
+def _copy_device(dst: SlotPool, slots: np.ndarray, src: Dict[str, mx.array], rows) -> None:
     idx = mx.array(slots.astype(np.uint32))
-    from_idx = mx.array(src_slots.astype(np.uint32))
+    from_idx = mx.array(rows.astype(np.uint32))
     del dst.pool  # drop the old typed views so the scatters can update in place
     for c in dst.layout.components:
         arr = dst.raw[c.name]
-        arr[idx] = src.raw[c.name][from_idx]
+        arr[idx] = src[c.name][from_idx]
     dst._typed()
+
+
+def whole_blobs(whole: ExpertPool, layout: ExpertLayout, experts: np.ndarray) -> mx.array:
+    """``experts``' blobs ``[n, blob_size]`` (uint8, padding zeroed) gathered from a whole-layer
+    pool (slot == expert id), lazily on the device."""
+    rows = mx.array(experts.astype(np.uint32))
+    parts, at = [], 0
+    for c in layout.components:
+        if c.offset > at:
+            parts.append(mx.zeros((len(experts), c.offset - at), mx.uint8))
+        arr = whole.arrays[c.name]
+        parts.append(arr.view(mx.uint8).reshape(arr.shape[0], -1)[rows])
+        at = c.offset + c.nbytes
+    if layout.blob_size > at:
+        parts.append(mx.zeros((len(experts), layout.blob_size - at), mx.uint8))
+    return mx.concatenate(parts, axis=1)
+
+
+def copy_from_whole(
+    dst: SlotPool, slots: np.ndarray, whole: ExpertPool, experts: np.ndarray
+) -> None:
+    """Copy ``experts`` of a whole-layer pool (slot == expert id) into ``dst``'s ``slots``:
+    through host views where ``dst`` is host-written (its memory is the host's, and so is the
+    whole pool's, whose arrays were evaluated: no wait for the device), else on the device,
+    lazily."""
+    comps = dst.layout.components
+    if dst.host is not None:
+        _copy_host(dst, slots, {c.name: host_view(whole.arrays[c.name]) for c in comps}, experts)
+    else:
+        src = {c.name: whole.arrays[c.name].view(mx.uint8).reshape(-1, c.nbytes) for c in comps}
+        _copy_device(dst, slots, src, experts)
 
 
 def read_blobs(

@@ -21,7 +21,7 @@ on an earlier layer (a new forward pass) forgets the previous one without forcin
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -35,6 +35,16 @@ from .protocol import Predictor
 from .whole_layer import WholeLayerReads
 
 MAX_PREDICT_TOKENS = 4  # prediction pays off in decode; a prefill needs most experts anyway
+
+
+class _WholeCall(NamedTuple):
+    """A whole-layer call once its computation is built: what ``whole_lookup`` waits on and
+    ``_warm`` copies from."""
+
+    layer: int
+    pool: ExpertPool
+    indices: mx.array
+    out: mx.array
 
 
 class HostSyncCache:
@@ -68,12 +78,12 @@ class HostSyncCache:
         self.prefill_whole_layer = float(
             DEFAULT_PREFILL_WHOLE_LAYER if prefill_whole_layer is None else prefill_whole_layer
         )
-        self._whole: Optional[int] = None  # the layer of the last lookup, if it read it whole
-        self._whole_pool: Optional[ExpertPool] = None  # and its pool
-        # (layer, output, pool) of the last whole-layer call, not forced yet: see the module's
-        # text; and the output of the one before, queued, not yet waited for
-        self._pending: Optional[Tuple[int, mx.array, ExpertPool]] = None
-        self._older: Optional[mx.array] = None
+        # the last lookup, if it read its layer whole: (layer, its pool, its router indices)
+        self._whole: Optional[Tuple[int, ExpertPool, mx.array]] = None
+        # that call once computed lazily (``_WholeCall``), not forced yet: see the module's
+        # text; and the one before, queued, not yet waited for
+        self._pending: Optional[_WholeCall] = None
+        self._older: Optional[_WholeCall] = None
         self.whole_reads = WholeLayerReads(store, staging, prefill_read_ahead)
         self._read_whole: Optional[List[int]] = None  # layers with fewer slots than experts
 
@@ -112,9 +122,11 @@ class HostSyncCache:
         """Every lookup starts here (the device-side table's too): a call on the layer of the
         held whole-layer output or an earlier one starts a new forward pass, whose predecessor's
         unused output stays lazy and is let go (with its pool)."""
-        self._whole = self._whole_pool = None
+        self._whole = None
         if self._pending is not None and self._pending[0] >= layer:
-            self._pending = self._older = None
+            older, self._pending, self._older = self._older, None, None
+            if older is not None:  # computed by the pass that ended (its output fed the next)
+                self._warm(older)
 
     def lookup(
         self, layer: int, x: mx.array, indices: mx.array, stats: LayerStats
@@ -147,19 +159,21 @@ class HostSyncCache:
         indices go to the computation unchanged, with no host sync."""
         prev, self._pending = self._pending, None
         if prev is not None:
-            mx.async_eval(prev[1])  # the previous layer computes while this one is read
+            mx.async_eval(prev.out)  # the previous layer computes while this one is read
         t0 = time.perf_counter()
         # Wait for the output of the layer before the previous one (its pool is freed then: with
         # the previous layer's and this one's, at most two such pools alive) and for the previous
         # layer's copies out of staging (CUDA), whose buffer the next read reuses. The previous
         # layer's computation stays queued, so the device works on while Python builds the next
         # layer (waiting for it here, the device sat idle meanwhile).
-        older, self._older = self._older, None if prev is None else prev[1]
+        older, self._older = self._older, prev
         mx.eval(
-            ([] if older is None else [older])
-            + ([] if prev is None else list(prev[2].arrays.values()))
+            ([] if older is None else [older.out])
+            + ([] if prev is None else list(prev.pool.arrays.values()))
         )
         stats.sync_s += time.perf_counter() - t0  # waiting for the device
+        if older is not None:
+            self._warm(older)
         pool = self.whole_reads.take(layer, stats)
         mx.async_eval(list(pool.arrays.values()))  # copies beside the previous layer's computation
         nxt = self._next_whole(layer)
@@ -167,7 +181,7 @@ class HostSyncCache:
             self.whole_reads.ahead(nxt)
         n = self.store.layout(layer).num_experts
         self._synced = False
-        self._whole, self._whole_pool = layer, pool
+        self._whole = (layer, pool, indices)
         stats.calls += 1
         stats.unsynced_calls += 1
         stats.tokens += indices.size // indices.shape[-1]  # the shape needs no sync
@@ -204,14 +218,35 @@ class HostSyncCache:
         stats.sync_s += t1 - t0
         return mx.array(slot_of[inverse].reshape(idx.shape)), pool
 
+    def _warm(self, call: _WholeCall) -> None:
+        """Once a whole-layer call has computed: its slots take the experts the call's rows
+        routed most (``warm_slots``), copied from its pool, so the next calls of the layer (a
+        prompt's last token, the first generated ones) find them without a read. Its indices
+        are in memory by then: no wait."""
+        n = self.slot_count(call.layer)
+        num = self.store.layout(call.layer).num_experts
+        if n <= 0 or n >= num:
+            return
+        idx = np.array(call.indices).reshape(-1).astype(np.int64)
+        counts = np.bincount(idx, minlength=num)
+        last = np.zeros(num, np.int64)  # where each expert was routed last
+        np.maximum.at(last, idx, np.arange(idx.size))
+        order = np.lexsort((-last, -counts))  # most routed first; of equals, the latest
+        experts = np.sort(order[: min(n, int(np.count_nonzero(counts)))])
+        self.warm_slots(call.layer, experts, call.pool)
+
+    def warm_slots(self, layer: int, experts: np.ndarray, whole: ExpertPool) -> None:
+        """Make ``experts`` (sorted, unique, at most the layer's slots) resident, copied from
+        ``whole`` (a whole-layer pool: slot == expert id) rather than read; lazy on the device.
+        Caches without slots do nothing."""
+
     def waves(self, layer: int, indices: mx.array) -> Optional[List[mx.array]]:
         return None  # every call is looked up whole
 
     def computed(self, out: mx.array) -> None:
         if self._whole is not None:  # its pool is its own: nothing to order, nothing to force
-            assert self._whole_pool is not None
-            self._pending = (self._whole, out, self._whole_pool)
-            self._whole = self._whole_pool = None
+            self._pending = _WholeCall(*self._whole, out)
+            self._whole = None
             return
         if self._synced:
             mx.async_eval(out)  # the pool's next write must not overtake this read

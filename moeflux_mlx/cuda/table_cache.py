@@ -27,7 +27,7 @@ import numpy as np
 
 from ..cache.budget import BudgetCache
 from ..cache.policy import POLICIES
-from ..cache.pool import DeviceStaging, ExpertPool, SlotPool
+from ..cache.pool import DeviceStaging, ExpertPool, SlotPool, whole_blobs
 from ..format.layout import ModelLayout
 from ..io.prefetch import Prefetcher
 from ..io.store import ExpertStore
@@ -79,6 +79,7 @@ class TableCache(BudgetCache):
             policy=POLICIES[options.eviction],
             prefill_whole_layer=options.prefill_whole_layer,
             prefill_read_ahead=options.prefill_read_ahead,
+            prefill_warm_slots=options.prefill_warm_slots,
         )
         self.name = "table"  # not the policy's name (BudgetCache's)
         self.wait_s = options.wait_timeout_s
@@ -101,6 +102,7 @@ class TableCache(BudgetCache):
         self._streams: List[mx.Stream] = []  # streams table calls were enqueued on
         self._last_table_out: Optional[mx.array] = None  # see resolve's ``after``
         self._table_call = False  # whether the last lookup went through the table
+        self._enqueued = False  # whether a table call was enqueued since ``synchronize``
 
     def _table(self, layer: int) -> Optional[TableLayer]:
         return self.control.layers.get(layer)
@@ -123,7 +125,9 @@ class TableCache(BudgetCache):
         # A table call already submitted but not yet run would look slots up after the
         # admission below and read them before its writes: let it finish first. (Calls built
         # but not submitted run after the writes, which are in place: see write_cuda.cuh.)
-        self.synchronize()
+        # None since the last wait: nothing to wait for (a prefill's computation runs on).
+        if self._enqueued:
+            self.synchronize()
         # a fully cached table layer (every_layer) is filled whole, like a resident layer
         num = self.store.layout(layer).num_experts
         admit = np.arange(num) if self.n_slots[layer] == num else experts
@@ -157,6 +161,16 @@ class TableCache(BudgetCache):
             )
         )
         stats.upload_s += time.perf_counter() - t0
+
+    def _copy_in(
+        self, layer: int, pool: SlotPool, slots: np.ndarray, whole: ExpertPool, experts: np.ndarray
+    ) -> None:
+        if self._table(layer) is None or not pool.device_writes:
+            return super()._copy_in(layer, pool, slots, whole, experts)
+        blobs = whole_blobs(whole, pool.layout, experts)  # in place, as ``_write``
+        mx.async_eval(
+            table_kernels.write_in_place(blobs, slots, pool.raw, pool.layout, self.wait_s)
+        )
 
     # -- the protocol ------------------------------------------------------------------------
 
@@ -197,6 +211,7 @@ class TableCache(BudgetCache):
         if not table_kernels.fits(k, self.n_slots[layer]):
             return None
         rows = indices.reshape(n, k)
+        self._enqueued = True
         first = table_kernels.hint(
             self.control, self._staging_for(layer, k), layer, rows[:1], rows, self.wait_s
         )
@@ -224,6 +239,7 @@ class TableCache(BudgetCache):
     def _hint(self, layer: int, indices: mx.array, predicted: mx.array) -> mx.array:
         """``indices`` passed on (lazy) once the GPU has published ``predicted``, the experts
         table layer ``layer`` (the next one) is predicted to route to, for the server to read."""
+        self._enqueued = True
         return table_kernels.hint(
             self.control,
             self._staging_for(layer, indices.shape[-1]),
@@ -250,6 +266,7 @@ class TableCache(BudgetCache):
             after=self._last_table_out,
         )
         self.server.enqueued(layer)
+        self._enqueued = True
         return slots, pool.pool
 
     def check(self) -> None:
@@ -261,6 +278,7 @@ class TableCache(BudgetCache):
         for stream in self._streams:
             mx.synchronize(stream)
         mx.synchronize()
+        self._enqueued = False
 
     def settle(self, stats: Stats) -> None:
         """Wait for enqueued work, then count the misses the server read for it in ``stats``."""

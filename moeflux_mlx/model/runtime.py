@@ -116,6 +116,7 @@ def make_cache(
                 policy=POLICIES[options.eviction],
                 prefill_whole_layer=whole,
                 prefill_read_ahead=options.prefill_read_ahead,
+                prefill_warm_slots=options.prefill_warm_slots,
             )
     except BaseException:
         if prefetcher is not None:
