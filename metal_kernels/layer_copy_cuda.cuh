@@ -1,8 +1,8 @@
   // ---- layer copy: a prefill's whole layer, from mapped host staging into one device array per
-  // expert component, on a few blocks (MF_COPY_BLOCKS, set by the caller's grid). MLX's copy
-  // kernel takes every SM for the few milliseconds the bytes take to cross PCIe, and the
-  // previous layer's computation beside it waits for them; a few blocks keep enough loads in
-  // flight to fill the link and leave the rest of the GPU to the computation.
+  // expert component, on a few blocks (the caller's grid: LAYER_COPY_BLOCKS in
+  // cuda/layer_copy.py). MLX's copy kernel takes every SM for the few milliseconds the bytes
+  // take to cross PCIe, and the previous layer's computation beside it waits for them; a few
+  // blocks keep enough loads in flight to fill the link and leave the rest to the computation.
   // Inputs: blobs [n, MF_BLOB] (host staging, every component 16-byte aligned and sized).
   // Outputs: o0, o1 ... [n, bytes of that component] (the store lines below are generated).
   const size_t words = size_t(blobs_shape[0]) * (MF_BLOB / 16);
