@@ -15,7 +15,8 @@ stock - read time. ``--prefill-whole-layer 4,0`` runs the option's values side b
 host sync per layer and call, the path before whole-layer reads); ``--read-ahead on,off`` and
 ``--threads 8,16`` run whole-layer reads with and without the next layer read in the background,
 and with that many read threads; ``--dma on,off`` with the layers copied to the GPU by its copy
-engines or by a kernel. Writes
+engines or by a kernel; ``--warm-slots on,off`` with and without each layer's slots refilled
+from the prompt's most-routed experts. Writes
 ``DATE-MACHINE-prefill.{md,json}`` to ``--out`` (never overwriting).
 """
 
@@ -100,13 +101,15 @@ class ReadLog:
 
 
 def _variants(args):
-    """(prefill_whole_layer, read ahead, copy engines, threads) of each moeflux configuration:
-    read-ahead and copy-engine variants only where layers are read whole."""
+    """(prefill_whole_layer, read ahead, copy engines, warm slots, threads) of each moeflux
+    configuration: read-ahead, copy-engine and warm-slot variants only where layers are read
+    whole."""
     for whole in args.prefill_whole_layer:
         for ahead in args.read_ahead if whole else args.read_ahead[:1]:
             for dma in args.dma if whole else args.dma[:1]:
-                for threads in args.threads:
-                    yield whole, ahead, dma, threads
+                for warm in args.warm_slots if whole else args.warm_slots[:1]:
+                    for threads in args.threads:
+                        yield whole, ahead, dma, warm, threads
 
 
 def _switches(text: str):
@@ -128,12 +131,13 @@ def run(args) -> dict:
     logs = {}
     for io in args.io:
         for frac in args.budgets:
-            for whole, ahead, dma, threads in _variants(args):
+            for whole, ahead, dma, warm, threads in _variants(args):
                 budget = "all" if frac >= 1 else int(frac * total)
                 # the caches read these options when they are made (LoadOptions)
                 os.environ["MOEFLUX_PREFILL_WHOLE_LAYER"] = f"{whole:g}"
                 os.environ["MOEFLUX_PREFILL_READ_AHEAD"] = "on" if ahead else "off"
                 os.environ["MOEFLUX_PREFILL_DMA"] = "on" if dma else "off"
+                os.environ["MOEFLUX_PREFILL_WARM_SLOTS"] = "on" if warm else "off"
                 m, _ = moeflux_mlx.load(
                     path,
                     expert_io=io,
@@ -146,6 +150,8 @@ def run(args) -> dict:
                     name += " ahead" if ahead else " no ahead"
                 if whole and len(args.dma) > 1:
                     name += " copy engines" if dma else " copy kernel"
+                if whole and len(args.warm_slots) > 1:
+                    name += " warm slots" if warm else " cold slots"
                 if len(args.threads) > 1:
                     name += f" {threads} threads"
                 models[name] = m
@@ -292,6 +298,13 @@ def main(argv=None) -> int:
         default=[False],
         help="on,off: whole layers to the GPU on its copy engines, or by a copy kernel out of "
         "mapped staging (the load option prefill_dma; default off, as the option's)",
+    )
+    p.add_argument(
+        "--warm-slots",
+        type=_switches,
+        default=[True],
+        help="on,off: each layer's slots refilled from the prompt's most-routed experts, or "
+        "left as they were (the load option prefill_warm_slots; default on, as the option's)",
     )
     p.add_argument(
         "--threads",
