@@ -302,9 +302,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--warm-slots",
         type=_switches,
-        default=[True],
+        default=[False],
         help="on,off: each layer's slots refilled from the prompt's most-routed experts, or "
-        "left as they were (the load option prefill_warm_slots; default on, as the option's)",
+        "left as they were (the load option prefill_warm_slots; default off, as the option's)",
     )
     p.add_argument(
         "--threads",

@@ -22,7 +22,7 @@ Plain Python: the miss server process imports it without MLX.
                                                       the next layer while this one computes
     MOEFLUX_PREFILL_DMA          prefill_dma          0/off (default) | 1/on: on CUDA such a prefill
                                                       uploads its layers on the copy engines
-    MOEFLUX_PREFILL_WARM_SLOTS   prefill_warm_slots   0/off | 1/on (default): such a prefill leaves
+    MOEFLUX_PREFILL_WARM_SLOTS   prefill_warm_slots   0/off (default) | 1/on: such a prefill leaves
                                                       the experts it routed most in the slots
 
 Cache budgets (``parse_budget``): ``"all"``, ``0``, a fraction of RAM in (0, 1] (``0.25``), or a
@@ -195,7 +195,8 @@ class LoadOptions:
         prefill_warm_slots: once each layer of such a prefill has computed, the layer's slots
             take the experts its rows routed most, copied from its whole-layer pool (no read):
             the prompt's last token and the first generated ones, which mlx-lm decodes one at a
-            time, then find many of theirs resident.
+            time, then find some of theirs resident. Off (the default): on a GPU the refill cost
+            more than the reads it saved (docs/benchmarks.md, "Prefill").
         table_every_layer: benchmarks only: fully cached layers are looked up through the
             device-side table too, to measure what the lookup itself costs.
     """
@@ -214,7 +215,7 @@ class LoadOptions:
     prefill_whole_layer: float = DEFAULT_PREFILL_WHOLE_LAYER
     prefill_read_ahead: bool = True
     prefill_dma: bool = False
-    prefill_warm_slots: bool = True
+    prefill_warm_slots: bool = False
     table_every_layer: bool = False
 
     @classmethod

@@ -261,7 +261,7 @@ def test_next_layer_is_read_ahead(tiny, monkeypatch, writes, ahead):
     [
         ("prefill_read_ahead", "READ_AHEAD", True),
         ("prefill_dma", "DMA", False),
-        ("prefill_warm_slots", "WARM_SLOTS", True),
+        ("prefill_warm_slots", "WARM_SLOTS", False),
     ],
 )
 def test_prefill_switches(monkeypatch, field, var, default):
