@@ -34,6 +34,7 @@ from moeflux_mlx.benchmark.trace_routing import drive_routing, load_trace  # noq
 from moeflux_mlx.cache import synced, whole_layer  # noqa: E402
 from moeflux_mlx.commands.bench import add_model_args  # noqa: E402
 from moeflux_mlx.cuda import layer_copy  # noqa: E402
+from moeflux_mlx.cuda.control_block import S_IO_NS  # noqa: E402
 from moeflux_mlx.format.checkpoint import expert_layout  # noqa: E402
 
 EVENTS: list = []  # (what, layer, start, end, thread name)
@@ -117,6 +118,14 @@ def split(events, t_start):
     return sums, rows
 
 
+def _server_read_s(rt) -> float:
+    """Seconds the miss server has spent reading (the device-side table's misses; 0 without)."""
+    control = getattr(rt.cache, "control", None)
+    if control is None:
+        return 0.0
+    return sum(float(t.stats[S_IO_NS]) for t in control.layers.values()) / 1e9
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -170,13 +179,19 @@ def main() -> int:
             s_stock, tok_stock = first_token(stock, prompt)
             rt = models[t].moeflux
             rt.reset_stats()
+            served0 = _server_read_s(rt)
             EVENTS.clear()
             t0 = time.perf_counter()
             s, tok = first_token(models[t], prompt)
             d = rt.stats_dict()["total"]
             whole = sum(ly.num_experts for ly in rt.layout.layers.values())
             # beyond the whole layers: the last prompt token's misses, and the GPU's waits
-            tail_io = (d["experts_missed"] - whole, d["gpu_waits"], d["gpu_wait_s"] * 1e3)
+            tail_io = (
+                d["experts_missed"] - whole,
+                d["gpu_waits"],
+                d["gpu_wait_s"] * 1e3,
+                (_server_read_s(rt) - served0) * 1e3,
+            )
             name = f"{t} threads, {b} blocks{', no async_eval' if skip else ''}"
             events = list(EVENTS)
             last = max((e[3] for e in events if e[0] == "lookup" and e[1] >= 0), default=t0)
@@ -187,9 +202,9 @@ def main() -> int:
     print(
         "\n| read threads, copy blocks (0: MLX's kernel) | x stock | s | stock s | same token "
         "| ms: async_eval | take | eval | lookup | read (thread) | tail "
-        "| last token: misses | GPU waits | their ms |"
+        "| last token: misses | GPU waits | their ms | server's reads, ms |"
     )
-    print("|" + " --- |" * 14)
+    print("|" + " --- |" * 15)
     for name, runs in results.items():
         runs.sort(key=lambda r: r[0])
         mid = runs[len(runs) // 2]
@@ -199,7 +214,7 @@ def main() -> int:
             f"| {mid[2]:.3f} | {all(r[3] for r in runs)} | {sums.get('async_eval', 0):.1f} "
             f"| {sums.get('take', 0):.1f} | {sums.get('eval', 0):.1f} "
             f"| {sums.get('lookup', 0):.1f} | {sums.get('read', 0):.1f} | {mid[6] * 1e3:.1f} "
-            f"| {mid[7][0]} | {mid[7][1]} | {mid[7][2]:.1f} |"
+            f"| {mid[7][0]} | {mid[7][1]} | {mid[7][2]:.1f} | {mid[7][3]:.1f} |"
         )
     for name, runs in results.items():
         print(f"\n## timeline, {name} (the median round)")
