@@ -147,7 +147,9 @@ def main() -> int:
     args = p.parse_args()
     path, stock_path = build_model(args)
     total = expert_layout(path).total_expert_bytes
-    stock = mlx_lm.load(str(stock_path))[0]
+    # a stock twin per moeflux model: a replayed trace advances with each model's own calls, so
+    # each pair must prefill as often to route alike (one stock for two models did not)
+    stocks = {t: mlx_lm.load(str(stock_path))[0] for t in (int(v) for v in args.threads.split(","))}
     models = {
         t: moeflux_mlx.load(
             path, expert_io=args.io, cache_budget=int(args.budget * total), threads=t
@@ -156,13 +158,14 @@ def main() -> int:
     }
     if args.routing_trace:
         trace = load_trace(args.routing_trace)
-        for m in [stock, *models.values()]:
+        for m in [*stocks.values(), *models.values()]:
             drive_routing(m, trace, args.routing_trace)
     timed = instrument()
     warm_page_cache(expert_files(path))
     mx.random.seed(0)
     prompt = mx.random.randint(0, 256, (args.prompt_tokens,)).astype(mx.uint32)
-    first_token(stock, prompt)
+    for stock in stocks.values():
+        first_token(stock, prompt)
     print(
         f"device {mx.default_device()}, MLX {mx.__version__}, copy kernel available: "
         f"{layer_copy.copier() is not None}"
@@ -176,7 +179,7 @@ def main() -> int:
     for _ in range(args.repeats):
         for t, b, skip in variants:
             layer_copy.LAYER_COPY_BLOCKS, timed.skip_async = b, skip
-            s_stock, tok_stock = first_token(stock, prompt)
+            s_stock, tok_stock = first_token(stocks[t], prompt)
             rt = models[t].moeflux
             rt.reset_stats()
             served0 = _server_read_s(rt)
