@@ -70,7 +70,7 @@ class BudgetCache(HostSyncCache):
         policy: Type[EvictionPolicy] = LRUPolicy,
         prefill_whole_layer: Optional[float] = None,
         prefill_read_ahead: bool = True,
-        prefill_warm_slots: bool = True,
+        prefill_warm_slots: bool = False,
     ):
         super().__init__(store, prefetcher, prefill_whole_layer, staging, prefill_read_ahead)
         self.prefill_warm_slots = prefill_warm_slots
