@@ -11,7 +11,8 @@ Plain Python: the miss server process imports it without MLX.
     MOEFLUX_BACKEND              backend         auto | ops | metal | cuda
     MOEFLUX_DEVICE_TABLE         device_table    0/off/false/no | 1/on/true/yes (unset: where CUDA is)
     MOEFLUX_SLOT_WRITES          slot_writes     host | device (unset: by the device)
-    MOEFLUX_EVICTION             eviction        lru | lfu | lfuda | decay | transition | s3fifo
+    MOEFLUX_EVICTION             eviction        lru | lfu | lfuda | decay | transition | logistic
+                                                 | s3fifo
     MOEFLUX_THREADS              threads         parallel reads of the pread store (>= 1)
     MOEFLUX_WAIT_TIMEOUT_S       wait_timeout_s  how long the GPU waits for the miss server (> 0)
     MOEFLUX_SERVER_POLL_US       server_poll_us  the miss server's poll interval after a request
@@ -46,7 +47,15 @@ from .errors import OptionError
 IO_MODES = ("auto", "mmap", "pread", "direct")
 BACKENDS = ("auto", "ops", "metal", "cuda")
 SLOT_WRITES = ("host", "device")
-EVICTIONS = ("lru", "lfu", "lfuda", "decay", "transition", "s3fifo")  # cache.policy.POLICIES
+EVICTIONS = (
+    "lru",
+    "lfu",
+    "lfuda",
+    "decay",
+    "transition",
+    "logistic",
+    "s3fifo",
+)  # cache.policy.POLICIES
 DEFAULT_RAM_FRACTION = (
     0.4  # of physical RAM: the cache budget when none is given and the experts do not fit
 )
@@ -171,8 +180,9 @@ class LoadOptions:
         slot_writes: ``host`` (into the pool's memory through a host view) or ``device`` (through
             host staging and a GPU scatter); None: ``device`` on CUDA, else ``host``.
         eviction: which resident expert a miss replaces (``cache.policy``): ``transition``
-            (default: decayed use counts plus what tends to follow the call), ``decay``,
-            ``lru``, ``lfu``, ``lfuda`` or ``s3fifo``; the device-side table's miss server keeps
+            (default: decayed use counts plus what tends to follow the call), ``logistic``
+            (that plus an online model of the next two calls), ``decay``, ``lru``, ``lfu``,
+            ``lfuda`` or ``s3fifo``; the device-side table's miss server keeps
             its layers by the same policy.
         wait_timeout_s: how long the GPU waits for the miss server before it gives up.
         server_poll_us, server_poll_max_us: the miss server's poll interval after a request, and

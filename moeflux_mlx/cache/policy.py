@@ -8,7 +8,8 @@ used (``touch``) and which to free (``victims``). ``POLICIES`` names them (``Loa
 kept across evictions); ``lfuda`` LFU with dynamic aging (an expert's priority is its count plus
 the priority of the last one evicted, so old fame fades); ``decay`` the lowest exponentially
 decayed use count; ``transition`` (the default) decayed counts raised by how often each expert
-followed the experts of the call being admitted (``TransitionPolicy``); ``s3fifo`` S3-FIFO,
+followed the experts of the call being admitted (``TransitionPolicy``); ``logistic`` that plus
+an online logistic model of the next two calls (``LogisticPolicy``); ``s3fifo`` S3-FIFO,
 scan-resistant (``S3FIFOPolicy``). Ties go to the least recently used. ``docs/routing.md`` has
 the replayed and live miss counts that chose the default.
 
@@ -331,6 +332,68 @@ class TransitionPolicy(DecayPolicy):
         return base + self.follows[experts]
 
 
+class LogisticPolicy(TransitionPolicy):
+    """``transition``'s score plus ``logistic_weight x half_life x`` (p1 + ``second`` x p2),
+    where p1 and p2 are an online logistic model's chances that the layer's next call and the
+    one after it route each expert, given this call's experts.
+
+    Each model is a matrix of experts x experts and a bias per expert: a call's logit for ``e``
+    is the bias plus the sum of ``W[c, e]`` over the call's experts ``c``. At each admission the
+    call's experts are the labels of one stochastic gradient step (learning rate ``lr``) for
+    the call before it (next-call model) and the one before that (the call after next). Where
+    ``transition`` only counts which experts followed which, the model learns which experts of
+    a call matter for what comes next, and looks a call further ahead. ``2 x num_experts ** 2``
+    float32 more per layer than ``transition``, O(k x num_experts) per call."""
+
+    name = "logistic"
+    lr = 0.05  # these three from the trained demo's replayed traces (docs/routing.md)
+    logistic_weight = 4.0
+    second = 0.5
+    prior_logit = -2.0  # a call routes few of the layer's experts
+
+    def setup_scores(self, num_experts: int) -> None:
+        super().setup_scores(num_experts)
+        shape = (num_experts, num_experts)
+        self.w_next, self.w_after = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        self.b_next = np.full(num_experts, self.prior_logit, np.float32)
+        self.b_after = np.full(num_experts, self.prior_logit, np.float32)
+        self.before_previous: Optional[np.ndarray] = None
+        self.ahead: Optional[np.ndarray] = None  # [num_experts] for the call being admitted
+
+    def _learn(self, w: np.ndarray, b: np.ndarray, x: np.ndarray, routed: np.ndarray) -> None:
+        step = self.lr * (routed - _sigmoid(w[x].sum(axis=0) + b))
+        w[x] += step
+        b += step
+
+    def admit(
+        self, experts: np.ndarray, tick: int, keep: Optional[np.ndarray] = None
+    ) -> Tuple[np.ndarray, np.ndarray]:
+        routed = np.zeros(self.b_next.size, np.float32)
+        routed[experts] = 1.0
+        prev, before = self.previous, self.before_previous
+        if prev is not None and prev.size:
+            self._learn(self.w_next, self.b_next, prev, routed)
+        if before is not None and before.size:
+            self._learn(self.w_after, self.b_after, before, routed)
+        self.before_previous, self.ahead = prev, None  # ``previous`` moves on in super().admit
+        return super().admit(experts, tick, keep)
+
+    def score(self, experts: np.ndarray, tick: int) -> np.ndarray:
+        base = super().score(experts, tick)
+        cur = self.current
+        if not cur.size:
+            return base
+        if self.ahead is None:
+            p_next = _sigmoid(self.w_next[cur].sum(axis=0) + self.b_next)
+            p_after = _sigmoid(self.w_after[cur].sum(axis=0) + self.b_after)
+            self.ahead = self.logistic_weight * self.half_life * (p_next + self.second * p_after)
+        return base + self.ahead[experts]
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-z))
+
+
 class S3FIFOPolicy(LRUPolicy):
     """S3-FIFO (Yang et al., SOSP 2023): a small FIFO queue for newcomers, a main FIFO queue for
     experts used again, and a ghost queue of experts recently dropped from the small one.
@@ -433,5 +496,13 @@ class S3FIFOPolicy(LRUPolicy):
 
 POLICIES = {
     p.name: p
-    for p in (LRUPolicy, LFUPolicy, LFUDAPolicy, DecayPolicy, TransitionPolicy, S3FIFOPolicy)
+    for p in (
+        LRUPolicy,
+        LFUPolicy,
+        LFUDAPolicy,
+        DecayPolicy,
+        TransitionPolicy,
+        LogisticPolicy,
+        S3FIFOPolicy,
+    )
 }
