@@ -265,7 +265,7 @@ def test_benchmark_pairs_the_lookup_alone(table_on_cpu, reference, tiny_checkpoi
     assert any("device-side table alone, from those rounds" in line for line in lines)
 
 
-@pytest.mark.parametrize("eviction", ["lru", "decay", "transition"])
+@pytest.mark.parametrize("eviction", ["lru", "decay", "transition", "logistic"])
 def test_same_misses_as_the_synced_cache(table_on_cpu, reference, eviction):
     """The table path and the host-synced path make the same LRU decisions; a counting policy
     (the default) sees the GPU's uses through its last-use records, at most one per slot between

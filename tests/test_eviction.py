@@ -12,6 +12,7 @@ from moeflux_mlx.cache.policy import (
     DecayPolicy,
     LFUDAPolicy,
     LFUPolicy,
+    LogisticPolicy,
     LRUPolicy,
     S3FIFOPolicy,
     TransitionPolicy,
@@ -111,6 +112,17 @@ def test_transition_counts_pairs_with_their_half_life():
     p.assign(*p.admit(np.array([1]), late), late)
     assert p.calls[0] == pytest.approx(1.5) and p.pairs[0, 1] == pytest.approx(1.5)
     assert p.pairs_at[0] == late and p.pairs_at[1] == 3
+
+
+def test_logistic_learns_the_next_call_and_the_one_after():
+    """Calls cycling 0, 1, 2, 3: after a call routing 0, the next-call model ranks 1 first and
+    the after-next model ranks 2 first (each learnt from its own call's lag)."""
+    p, _ = _run(LogisticPolicy, [[0], [1], [2], [3]] * 40, n_slots=4)
+    p_next = p.w_next[0] + p.b_next
+    p_after = p.w_after[0] + p.b_after
+    assert int(np.argmax(p_next)) == 1 and int(np.argmax(p_after)) == 2
+    assert p_next[1] > p_next[2] and p_after[2] > p_after[1]
+    assert (p_next[4:] < p.prior_logit).all()  # never routed: below the prior
 
 
 @pytest.mark.parametrize("eviction", sorted(POLICIES))

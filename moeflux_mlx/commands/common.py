@@ -153,7 +153,8 @@ LOAD_OPTIONS = (
             type=str.lower,
             choices=EVICTIONS,
             help="which resident expert a miss replaces: transition (decayed use counts raised "
-            "by what tends to follow the current call), decay (decayed use counts), lru (least "
+            "by what tends to follow the current call), logistic (that plus an online model of "
+            "the next two calls), decay (decayed use counts), lru (least "
             "recently used), lfu, lfuda (LFU with aging) or s3fifo (default: $MOEFLUX_EVICTION "
             "or transition)",
         ),
