@@ -323,13 +323,16 @@ class TransitionPolicy(DecayPolicy):
 
     def score(self, experts: np.ndarray, tick: int) -> np.ndarray:
         base = super().score(experts, tick)
-        cur = self.current
-        if not cur.size:
+        if not self.current.size:
             return base
         if self.follows is None:
-            rows = self.pairs[cur] / np.maximum(self.calls[cur], 1e-6)[:, None]
-            self.follows = (self.weight * self.half_life / cur.size) * rows.sum(axis=0)
+            self.follows = self._follows(self.current)
         return base + self.follows[experts]
+
+    def _follows(self, cur: np.ndarray) -> np.ndarray:
+        """What each expert's score gains from ``cur``, the call being admitted (once a call)."""
+        rows = self.pairs[cur] / np.maximum(self.calls[cur], 1e-6)[:, None]
+        return (self.weight * self.half_life / cur.size) * rows.sum(axis=0)
 
 
 class LogisticPolicy(TransitionPolicy):
@@ -358,7 +361,6 @@ class LogisticPolicy(TransitionPolicy):
         self.b_next = np.full(num_experts, self.prior_logit, np.float32)
         self.b_after = np.full(num_experts, self.prior_logit, np.float32)
         self.before_previous: Optional[np.ndarray] = None
-        self.ahead: Optional[np.ndarray] = None  # [num_experts] for the call being admitted
 
     def _learn(self, w: np.ndarray, b: np.ndarray, x: np.ndarray, routed: np.ndarray) -> None:
         step = self.lr * (routed - _sigmoid(w[x].sum(axis=0) + b))
@@ -375,19 +377,14 @@ class LogisticPolicy(TransitionPolicy):
             self._learn(self.w_next, self.b_next, prev, routed)
         if before is not None and before.size:
             self._learn(self.w_after, self.b_after, before, routed)
-        self.before_previous, self.ahead = prev, None  # ``previous`` moves on in super().admit
+        self.before_previous = prev  # ``previous`` moves on in super().admit
         return super().admit(experts, tick, keep)
 
-    def score(self, experts: np.ndarray, tick: int) -> np.ndarray:
-        base = super().score(experts, tick)
-        cur = self.current
-        if not cur.size:
-            return base
-        if self.ahead is None:
-            p_next = _sigmoid(self.w_next[cur].sum(axis=0) + self.b_next)
-            p_after = _sigmoid(self.w_after[cur].sum(axis=0) + self.b_after)
-            self.ahead = self.logistic_weight * self.half_life * (p_next + self.second * p_after)
-        return base + self.ahead[experts]
+    def _follows(self, cur: np.ndarray) -> np.ndarray:
+        p_next = _sigmoid(self.w_next[cur].sum(axis=0) + self.b_next)
+        p_after = _sigmoid(self.w_after[cur].sum(axis=0) + self.b_after)
+        ahead = self.logistic_weight * self.half_life * (p_next + self.second * p_after)
+        return super()._follows(cur) + ahead
 
 
 def _sigmoid(z: np.ndarray) -> np.ndarray:
