@@ -19,8 +19,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: prefill.py
 
 import numpy as np  # noqa: E402
+from prefill import warm_page_cache  # noqa: E402
 
 from moeflux_mlx.benchmark.pagecache import expert_files  # noqa: E402
 from moeflux_mlx.io import store as st  # noqa: E402
@@ -37,10 +39,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reads", type=int, default=40, help="batches per size and round")
     args = ap.parse_args()
-    for f in expert_files(args.model):  # warm: every byte in the page cache
-        with open(f, "rb") as fh:
-            while fh.read(64 << 20):
-                pass
+    warm_page_cache(expert_files(args.model))
     threads = [int(v) for v in args.threads.split(",")]
     shares = [int(v) << 10 for v in args.min_share_kib.split(",")]
     sizes = [int(v) for v in args.batches.split(",")]

@@ -177,7 +177,7 @@ class BudgetCache(HostSyncCache):
         return slot_of[experts].astype(np.uint32), pool.pool
 
     def warm_slots(self, layer: int, experts: np.ndarray, whole: ExpertPool) -> None:
-        if not self.prefill_warm_slots or not experts.size:
+        if not experts.size:
             return
         if layer in self.resident or self._fills_whole(layer):
             return

@@ -60,6 +60,7 @@ class HostSyncCache:
     slot writes (CUDA), else host writes."""
 
     name = "?"
+    prefill_warm_slots = False  # refill slots after a whole-layer call (caches with slots)
 
     def __init__(
         self,
@@ -223,6 +224,8 @@ class HostSyncCache:
         routed most (``warm_slots``), copied from its pool, so the next calls of the layer (a
         prompt's last token, the first generated ones) find them without a read. Its indices
         are in memory by then: no wait."""
+        if not self.prefill_warm_slots:  # off: not even the indices are read back
+            return
         n = self.slot_count(call.layer)
         num = self.store.layout(call.layer).num_experts
         if n <= 0 or n >= num:
