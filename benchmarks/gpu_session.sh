@@ -114,10 +114,11 @@ if part pagecache; then  # where uncached reads stop paying: pread with a page c
   done
 fi
 if part policy; then  # LRU, decay and the default (transition), same replayed positions, cold
-  # (POLICIES="lru transition" ROUTED_TOKENS=512: fewer, longer runs)
+  # (POLICIES="lru transition" ROUTED_TOKENS=512: fewer, longer runs; through the table only,
+  # the goal's path: POLICY_LOOKUP=both adds the host-synced one)
   for ev in ${POLICIES:-lru decay transition}; do
     MOEFLUX_EVICTION=$ev timeout 300 "${ROUTED[@]}" --trace-predictor ridge --prefetch off \
-      --no-stock --machine "policy-$ev" --out "$OUT/policy" > "$OUT/policy_$ev.txt" 2>&1
+      --lookup "${POLICY_LOOKUP:-device}" --no-stock --machine "policy-$ev" --out "$OUT/policy" > "$OUT/policy_$ev.txt" 2>&1
     echo "policy $ev:"; grep -E "^\| moeflux" "$OUT/policy_$ev.txt"
   done
 fi

@@ -481,3 +481,33 @@ def test_cold_bandwidth_reads_distinct_whole_experts(tiny_checkpoints, monkeypat
     assert len(covered) == n
     read = sum(b - a for mine in spans.values() for a, b in mine)
     assert read == sum(size for key in covered for _, _, size in expert_bytes[key])
+
+
+@pytest.mark.parametrize(
+    "lookup, expected", [("both", [False, True]), ("device", [True]), ("host", [False])]
+)
+def test_lookup_picks_the_slot_lookups_of_partial_budgets(
+    tiny_checkpoints, monkeypatch, lookup, expected
+):
+    """Where the table can run, ``lookup`` chooses which lookups a partial budget decodes with
+    (the table is faked available: on the CPU a run asked for it falls back to the host's)."""
+    _, packed = tiny_checkpoints["qwen3_moe"]
+    seen = []
+    real = decode._run_moeflux
+
+    def spy(*a, device_table=None, **kw):
+        seen.append((a[4], device_table))  # (budget, lookup asked for)
+        return real(*a, device_table=device_table, **kw)
+
+    monkeypatch.setattr(decode, "use_table", lambda requested: True)
+    monkeypatch.setattr(decode, "_run_moeflux", spy)
+    decode.run_benchmark(
+        packed,
+        stock=False,
+        budgets=(0.25,),
+        io_modes=("pread",),
+        prompt_tokens=4,
+        decode_tokens=2,
+        lookup=lookup,
+    )
+    assert seen == [(0.25, table) for table in expected]

@@ -455,6 +455,7 @@ def run_benchmark(
     repeats=1,
     prepare=_as_is,
     page_cache="dropped",
+    lookup="both",
 ) -> dict:
     """Run every configuration and return a result dict (see ``write_results``).
 
@@ -469,7 +470,8 @@ def run_benchmark(
     (dropped once before the prompt; then it keeps what RAM lets it keep: a model larger than
     RAM as it runs), or a share in (0, 1]: kept, while a process holds all of RAM but that
     share of the experts' bytes (``RamBalloon``; Linux): experts a few times RAM, on a machine
-    whose RAM holds them all."""
+    whose RAM holds them all. ``lookup``: where the table can run, budgets below 100% decode
+    with ``both`` slot lookups, only the ``device``'s or only the ``host``'s."""
     check_page_cache(page_cache)
     path = Path(path)
     prepare = prepare or _as_is
@@ -491,6 +493,8 @@ def run_benchmark(
         )
     # budgets below 100% run with both slot lookups where the device-side table is available
     lookups = (False, True) if use_table(None) else (None,)
+    if len(lookups) == 2 and lookup != "both":
+        lookups = (lookup == "device",)
     for io_mode in io_modes:
         for frac in budgets:
             for pf in prefetch if frac < 1 else (False,):

@@ -155,6 +155,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-stock", action="store_true", help="skip stock mlx-lm")
     p.add_argument(
+        "--lookup",
+        default="both",
+        choices=["both", "device", "host"],
+        help="where the device-side table can run (CUDA), budgets below 100%% decode with both "
+        "slot lookups (both, the default), only through the table (device) or only with a host "
+        "sync per layer (host); elsewhere the host's is the only one",
+    )
+    p.add_argument(
         "--convert",
         action="store_true",
         help="stream the experts from a converted copy (MODEL-packed, made once), as "
@@ -320,6 +328,7 @@ def run(args: argparse.Namespace) -> int:
         prefetch=prefetch,
         prepare=prepare,
         page_cache=args.page_cache,
+        lookup=args.lookup,
     )
     result["routing_trace"] = str(args.routing_trace) if args.routing_trace else None
     result["trace_predictor"] = args.trace_predictor
