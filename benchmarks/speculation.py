@@ -287,6 +287,9 @@ def decode(
         "passes": stats.steps if k else len(tokens),
         "synced_calls": t.calls - t.unsynced_calls,
         "seconds": seconds,
+        "build_s": stats.build_s,
+        "eval_s": stats.eval_s,
+        "table_calls": t.unsynced_calls,
         "gpu_waits": t.gpu_waits,
         "gpu_wait_s": t.gpu_wait_s,
         "io_s": t.io_s,
@@ -367,22 +370,39 @@ def run_budget(path: Path, fraction: float, ids: List[int], args) -> List[Dict]:
     return rows
 
 
-PER_PASS = ("seconds", "gpu_waits", "gpu_wait_s", "io_s", "misses", "read_ahead", "read_ahead_used")
+PER_PASS = (
+    "seconds",
+    "build_s",
+    "eval_s",
+    "table_calls",
+    "gpu_waits",
+    "gpu_wait_s",
+    "io_s",
+    "misses",
+    "read_ahead",
+    "read_ahead_used",
+)
 
 
 def waits_table(rows: List[Dict]) -> str:
-    """Per forward pass: its time, the GPU's waits for the miss server (device-side table) and
-    their time, the server's reading time, the experts missed and those read ahead (used)."""
+    """Per forward pass: its time; for lookup, the host's building of its graph and the wait
+    for its evaluation (plain decoding overlaps the two: ``generate_step`` builds a token while
+    the one before it computes); its calls through the device-side table, the GPU's waits for
+    the miss server and their time, the server's reading time, the experts missed and those
+    read ahead (used)."""
     head = (
-        "| cache | decode | ms/pass | GPU waits/pass | GPU wait ms/pass | read ms/pass "
-        "| missed/pass | read ahead/pass (used) |"
+        "| cache | decode | ms/pass | build ms/pass | eval ms/pass | table calls/pass "
+        "| GPU waits/pass | GPU wait ms/pass | read ms/pass | missed/pass | read ahead/pass (used) |"
     )
     out = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         p = r["per_pass"]
         budget = "100%" if r["budget"] >= 1 else f"{r['budget']:.0%}"
         out.append(
-            f"| {budget} | {_name(r['k'])} | {1e3 * p['seconds']:.2f} | {p['gpu_waits']:.1f} "
+            f"| {budget} | {_name(r['k'])} | {1e3 * p['seconds']:.2f} "
+            f"| {_fmt(1e3 * p['build_s'] if r['k'] else None, '.2f')} "
+            f"| {_fmt(1e3 * p['eval_s'] if r['k'] else None, '.2f')} "
+            f"| {p['table_calls']:.1f} | {p['gpu_waits']:.1f} "
             f"| {1e3 * p['gpu_wait_s']:.2f} | {1e3 * p['io_s']:.2f} | {p['misses']:.1f} "
             f"| {p['read_ahead']:.1f} ({p['read_ahead_used']:.1f}) |"
         )

@@ -52,6 +52,10 @@ class LookupStats:
     steps: int = 0  # forward passes after the prompt (one per verification or plain step)
     proposed: int = 0  # draft tokens sent to verification
     accepted: int = 0  # of those, equal to the model's own token (and yielded)
+    # where the passes' time went: building their graphs (host), then waiting for their
+    # evaluation (the device's computation and, streamed, its waits for experts)
+    build_s: float = 0.0
+    eval_s: float = 0.0
 
     @property
     def acceptance(self) -> float:
@@ -215,6 +219,7 @@ def lookup_generate_step(
 
     def verify(inputs: List[int]) -> Tuple[List[int], mx.array]:
         """One forward pass over ``inputs``: the model's token and log-probs after each."""
+        t0 = time.perf_counter()
         with runtime.verifying_drafts() if runtime is not None else contextlib.nullcontext():
             logits = model(mx.array(inputs, mx.uint32)[None], cache=prompt_cache)[0]
         quantize_cache_fn(prompt_cache)
@@ -232,7 +237,10 @@ def lookup_generate_step(
             logits = mx.concatenate(rows, axis=0)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         tokens = sampler(logprobs)
+        t1 = time.perf_counter()
         mx.eval(tokens, logprobs)
+        stats.build_s += t1 - t0
+        stats.eval_s += time.perf_counter() - t1
         if runtime is not None:  # streamed: a read that failed in this pass raises before any
             runtime.cache.check()  # of its tokens is yielded (not at the next pass)
         return _ids(tokens), logprobs
