@@ -25,6 +25,8 @@ Plain Python: the miss server process imports it without MLX.
                                                       uploads its layers on the copy engines
     MOEFLUX_PREFILL_WARM_SLOTS   prefill_warm_slots   0/off (default) | 1/on: such a prefill leaves
                                                       the experts it routed most in the slots
+    MOEFLUX_PREFILL_LEARNS       prefill_learns       0/off | 1/on (default): the eviction policy
+                                                      learns from such a prefill's routing
 
 Cache budgets (``parse_budget``): ``"all"``, ``0``, a fraction of RAM in (0, 1] (``0.25``), or a
 size with a unit: ``B``, SI ``kB`` ``MB`` ``GB`` ``TB`` (powers of 1000) or binary ``KiB`` ``MiB``
@@ -116,6 +118,7 @@ ENVIRONMENT: Dict[str, Tuple[str, Callable[[str], Any]]] = {
     "prefill_read_ahead": ("MOEFLUX_PREFILL_READ_AHEAD", _switch),
     "prefill_dma": ("MOEFLUX_PREFILL_DMA", _switch),
     "prefill_warm_slots": ("MOEFLUX_PREFILL_WARM_SLOTS", _switch),
+    "prefill_learns": ("MOEFLUX_PREFILL_LEARNS", _switch),
 }
 # a call routing at least this many (token, expert) rows per expert of its layer names nearly
 # every expert (1 - e^-4 = 98% at uniform routing): reading the whole layer costs few extra bytes
@@ -207,6 +210,11 @@ class LoadOptions:
             the prompt's last token and the first generated ones, which mlx-lm decodes one at a
             time, then find some of theirs resident. Off (the default): on a GPU the refill cost
             more than the reads it saved (docs/benchmarks.md, "Prefill").
+        prefill_learns: once each layer of such a prefill has computed, the layer's eviction
+            policy learns from the routing of its latest rows (``EvictionPolicy.observe``: use
+            counts, what follows what; the slots stay as they are), so that a learning policy
+            (``transition``, ``logistic``) starts the decode knowing the prompt's routing
+            instead of learning it from the first generated tokens. On by default.
         table_every_layer: benchmarks only: fully cached layers are looked up through the
             device-side table too, to measure what the lookup itself costs.
     """
@@ -226,6 +234,7 @@ class LoadOptions:
     prefill_read_ahead: bool = True
     prefill_dma: bool = False
     prefill_warm_slots: bool = False
+    prefill_learns: bool = True
     table_every_layer: bool = False
 
     @classmethod

@@ -837,3 +837,34 @@ def test_a_whole_layer_prefill_warms_the_table_s_slots(table_on_cpu, reference, 
             assert _greedy(model, prompt) == want
     assert all(held["on"][i] > 0 for i in layers[:-1]) and held["on"][layers[-1]] == 0
     assert sum(held["off"].values()) == 0
+
+
+def test_a_whole_layer_prefill_teaches_the_miss_server_s_policy(
+    table_on_cpu, reference, monkeypatch
+):
+    """Through the table, a whole-layer prefill's routing (each layer's latest rows, but the
+    last layer's) goes to the miss server's policy as calls it did not serve: the layer's clock
+    moves on by as many calls and no slot is taken; decode stays exact."""
+    from moeflux_mlx.cache.synced import OBSERVE_ROWS
+
+    packed, prompt, want, total = reference
+    monkeypatch.setenv("MOEFLUX_PREFILL_WHOLE_LAYER", "1")
+    monkeypatch.setenv("MOEFLUX_PREFILL_LEARNS", "on")
+    model, _ = moeflux_mlx.load(
+        packed, cache_budget=int(0.3 * total), device_table=True, backend="ops"
+    )
+    with model.moeflux as rt:
+        cache = make_prompt_cache(model)
+        model(prompt[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        rt.cache.begin_call(0)  # the next pass: the last computed layer learns too
+        control = rt.cache.control
+        layers = sorted(control.layers)
+        rows = min(prompt.size, OBSERVE_ROWS)
+        for layer in layers:
+            t = control.layers[layer]
+            rt.cache.server._answered(layer, int(control.host_requests[t.index]))
+            want_ticks = 0 if layer == max(rt.layout.layers) else rows
+            assert int(t.header[cb.H_HOST_TICKS]) == want_ticks, layer
+            assert (t.slot_of < 0).all()
+        assert _greedy(model, prompt) == want

@@ -226,3 +226,59 @@ def test_keep_short_of_room_keeps_the_soonest_needed(policy):
     missing, victims = p.admit(np.array([8, 9, 10]), 5, keep=np.array([3, 0]))
     p.assign(missing, victims, 5)
     assert p.slot_of[3] >= 0 and p.slot_of[0] < 0
+
+
+def _markov_rows(n, num_experts=16, k=3, seed=0):
+    """``n`` calls of ``k`` distinct experts each, each call's drawn mostly after the one
+    before it (so that what follows what can be learnt)."""
+    rng = np.random.default_rng(seed)
+    nxt = rng.permutation(num_experts)
+    rows, cur = [], rng.choice(num_experts, k, replace=False)
+    for _ in range(n):
+        rows.append(np.sort(cur))
+        cur = np.unique(np.concatenate([nxt[cur[:2]], rng.choice(num_experts, k, replace=False)]))[
+            :k
+        ]
+        while cur.size < k:
+            cur = np.unique(np.append(cur, rng.integers(num_experts)))
+    return np.array(rows)
+
+
+_SLOT_STATE = ("slot_of", "expert_in", "last_used", "device_seen", "device_last", "clock", "now")
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lfuda", "decay", "transition", "logistic"])
+def test_observe_learns_what_serving_the_calls_would_have_taught(policy, monkeypatch):
+    """``observe`` (a prefill's rows, never served) leaves a policy knowing what admitting those
+    calls would have taught it, but the slots empty: from there both make the same choices on
+    the calls that follow (the transition pairs and decay counts are summed at once, not row by
+    row, so this checks the sums)."""
+    monkeypatch.setattr(LogisticPolicy, "observe_rows", 1000)  # every row, as the served ones
+    rows = _markov_rows(120)
+    taught, served = POLICIES[policy](16, 5), POLICIES[policy](16, 5)
+    taught.observe(rows[:80], 1)
+    assert (taught.slot_of < 0).all()  # nothing admitted
+    for tick, row in enumerate(rows[:80], start=1):
+        served.assign(*served.admit(row, tick), tick)
+    fresh = POLICIES[policy](16, 5)
+    for name, value in vars(served).items():  # what it learnt, its slots left empty
+        if name not in _SLOT_STATE:
+            setattr(fresh, name, value)
+    for tick, row in enumerate(rows[80:], start=81):
+        got, want = taught.admit(row, tick), fresh.admit(row, tick)
+        assert [a.tolist() for a in got] == [a.tolist() for a in want], (policy, tick)
+        taught.assign(*got, tick)
+        fresh.assign(*want, tick)
+
+
+def test_observe_teaches_lru_nothing_and_logistic_only_its_latest_rows():
+    rows = _markov_rows(100)
+    lru = LRUPolicy(16, 5)
+    before = {k: np.array(v, copy=True) for k, v in vars(lru).items() if isinstance(v, np.ndarray)}
+    lru.observe(rows, 1)
+    assert all(np.array_equal(before[k], getattr(lru, k)) for k in before)
+    tail, full = LogisticPolicy(16, 5), LogisticPolicy(16, 5)
+    tail.observe(rows, 1)  # its models learn from the latest observe_rows rows only
+    full.observe(rows[-LogisticPolicy.observe_rows :], 1)
+    assert np.array_equal(tail.w_next, full.w_next) and np.array_equal(tail.b_after, full.b_after)
+    assert tail.previous.tolist() == rows[-1].tolist()

@@ -262,6 +262,7 @@ def test_next_layer_is_read_ahead(tiny, monkeypatch, writes, ahead):
         ("prefill_read_ahead", "READ_AHEAD", True),
         ("prefill_dma", "DMA", False),
         ("prefill_warm_slots", "WARM_SLOTS", False),
+        ("prefill_learns", "LEARNS", True),
     ],
 )
 def test_prefill_switches(monkeypatch, field, var, default):
@@ -697,3 +698,43 @@ def test_whole_blobs_gathers_experts_as_stored(tiny, monkeypatch):
         experts = np.array([layout.num_experts - 1, 0, 3])
         want = np.stack([rt.store.read(layer, np.array([e]))[0].copy() for e in experts])
         assert np.array_equal(np.array(whole_blobs(pool, layout, experts)), want)
+
+
+@pytest.mark.parametrize("learns", [True, False])
+def test_a_prefill_teaches_the_eviction_policy_its_routing(tiny, monkeypatch, learns):
+    """Once each whole-layer call has computed, its layer's policy learns the routing of its
+    latest rows (as many calls on its clock, the last of them as the call before the next),
+    and the slots stay empty; not the last layer, whose output a prefill never computes. Off,
+    the policies learn nothing. Greedy decode stays exact either way."""
+    from moeflux_mlx.cache.synced import OBSERVE_ROWS, HostSyncCache
+
+    packed, prompt, _, want_tokens = tiny
+    monkeypatch.setenv("MOEFLUX_PREFILL_LEARNS", "on" if learns else "off")
+    monkeypatch.setenv("MOEFLUX_EVICTION", "transition")
+    routed = {}
+    real = HostSyncCache.whole_lookup
+
+    def spy(self, layer, indices, stats):
+        routed[layer] = indices
+        return real(self, layer, indices, stats)
+
+    monkeypatch.setattr(HostSyncCache, "whole_lookup", spy)
+    model = _load(monkeypatch, packed, ROWS, expert_io="pread")
+    with model.moeflux as rt:
+        cache = make_prompt_cache(model)
+        model(prompt[None], cache=cache)  # a prefill chunk: logits never evaluated
+        mx.eval([c.state for c in cache])
+        rt.cache.begin_call(0)  # the next pass starts: the last computed layer learns too
+        layers = sorted(routed)
+        assert layers == sorted(rt.layout.layers)
+        for layer in layers:
+            policy = rt.cache.policies.get(layer)
+            if not learns or layer == layers[-1]:
+                assert policy is None or int(policy.clock[0]) == 0
+                continue
+            rows = np.array(routed[layer]).reshape(-1, routed[layer].shape[-1])[-OBSERVE_ROWS:]
+            assert int(policy.clock[0]) == len(rows)
+            assert policy.previous.tolist() == sorted(set(rows[-1].tolist()))
+            assert (policy.slot_of < 0).all()  # learnt, nothing admitted
+            assert policy.calls[np.unique(rows[:-1])].min() > 0  # each led a call it saw
+        assert _greedy(model, prompt) == want_tokens

@@ -56,7 +56,8 @@ class BudgetCache(HostSyncCache):
 
     ``staging``: device slot writes (CUDA), else host writes. ``prefetcher``,
     ``prefill_whole_layer``, ``prefill_read_ahead``: see ``HostSyncCache``;
-    ``prefill_warm_slots``: see ``warm_slots`` (``LoadOptions.prefill_warm_slots``)."""
+    ``prefill_warm_slots``: see ``warm_slots`` (``LoadOptions.prefill_warm_slots``);
+    ``prefill_learns``: see ``observe_prefill`` (``LoadOptions.prefill_learns``)."""
 
     name = "decay"  # the eviction policy's name (set per instance)
 
@@ -71,9 +72,11 @@ class BudgetCache(HostSyncCache):
         prefill_whole_layer: Optional[float] = None,
         prefill_read_ahead: bool = True,
         prefill_warm_slots: bool = False,
+        prefill_learns: bool = True,
     ):
         super().__init__(store, prefetcher, prefill_whole_layer, staging, prefill_read_ahead)
         self.prefill_warm_slots = prefill_warm_slots
+        self.prefill_learns = prefill_learns
         self.budget_bytes = budget_bytes
         self.n_slots = slots_per_layer(layout, budget_bytes)
         self.policy_class = policy
@@ -122,6 +125,13 @@ class BudgetCache(HostSyncCache):
 
     def _release(self, layer: int, missing: np.ndarray) -> None:
         """A read or write of ``missing`` failed after they were admitted (their victims freed)."""
+
+    def _observe(self, layer: int, rows: np.ndarray) -> None:
+        """The layer's policy learns from ``rows`` (calls it did not serve); its clock moves on
+        by as many calls."""
+        policy = self.policies[layer]
+        policy.observe(rows, int(policy.clock[0]) + 1)
+        policy.clock[0] += len(rows)
 
     def _write(
         self, layer: int, pool: SlotPool, slots: np.ndarray, blobs: np.ndarray, stats: LayerStats
@@ -175,6 +185,12 @@ class BudgetCache(HostSyncCache):
         slot_of = self.slot_of(layer)
         assert slot_of is not None  # the layer's bookkeeping exists once its pool does
         return slot_of[experts].astype(np.uint32), pool.pool
+
+    def observe_prefill(self, layer: int, rows: np.ndarray) -> None:
+        if layer in self.resident or self._fills_whole(layer) or not len(rows):
+            return
+        self._pool(layer)  # the layer's bookkeeping (its slots are needed next anyway)
+        self._observe(layer, rows)
 
     def warm_slots(self, layer: int, experts: np.ndarray, whole: ExpertPool) -> None:
         if not experts.size:

@@ -108,6 +108,13 @@ class EvictionPolicy:
         self.expert_in[slots] = -1
         self.forget(slots)
 
+    def observe(self, rows: np.ndarray, first_tick: int) -> None:
+        """Learn from calls that routed without going through the slots: ``rows`` ``[n, k]``,
+        the experts of n calls at ticks ``first_tick``, ``first_tick + 1``, ... (a prefill that
+        read its layer whole). What a policy learns from routing (use counts, what follows
+        what) and nothing about residency: the slots stay as they are. LRU and S3-FIFO learn
+        nothing from calls they did not serve."""
+
     def touch(self, slots: np.ndarray, tick: int) -> None:
         raise NotImplementedError
 
@@ -210,6 +217,10 @@ class _CountingPolicy(LRUPolicy):
     def device_used(self, slots: np.ndarray, ticks: np.ndarray) -> None:
         self.used(self.expert_in[slots], ticks)
 
+    def observe(self, rows: np.ndarray, first_tick: int) -> None:
+        for i, row in enumerate(rows):  # each call's experts used once, as admit counts them
+            self.used(np.unique(row), first_tick + i)
+
     def victims(self, n: int) -> np.ndarray:
         used = self.expert_in >= 0
         score = np.full(self.expert_in.size, -np.inf)  # free slots first
@@ -278,6 +289,22 @@ class DecayPolicy(_CountingPolicy):
     def score(self, experts: np.ndarray, tick: int) -> np.ndarray:
         return self.count[experts] * 0.5 ** ((tick - self.at[experts]) / self.half_life)
 
+    def observe(self, rows: np.ndarray, first_tick: int) -> None:
+        # what ``used`` once a row would leave, at once: every count brought to the last tick,
+        # each use weighted by its age then, then back to each expert's own last use
+        if not len(rows):
+            return
+        routed = _routed(rows, self.count.size)
+        last = first_tick + len(rows) - 1
+        ages = last - (first_tick + np.arange(len(rows)))
+        seen = routed.any(axis=0)
+        uses = np.exp2(-ages / self.half_life) @ routed
+        last_use = last - np.argmax(routed[::-1], axis=0)  # each expert's last row
+        e = np.flatnonzero(seen)
+        now = self.count[e] * np.exp2((self.at[e] - last) / self.half_life) + uses[e]
+        self.count[e] = now * np.exp2((last - last_use[e]) / self.half_life)
+        self.at[e] = last_use[e]
+
 
 class TransitionPolicy(DecayPolicy):
     """Decayed counts plus what tends to follow the call being admitted: an expert's score is
@@ -307,6 +334,48 @@ class TransitionPolicy(DecayPolicy):
     def admit(
         self, experts: np.ndarray, tick: int, keep: Optional[np.ndarray] = None
     ) -> Tuple[np.ndarray, np.ndarray]:
+        self._learn_call(experts, tick)
+        self.current, self.follows = experts, None  # worked out if a victim is asked for
+        try:
+            return super().admit(experts, tick, keep)
+        finally:
+            self.previous = np.array(experts)
+
+    def observe(self, rows: np.ndarray, first_tick: int) -> None:
+        super().observe(rows, first_tick)
+        if not len(rows):
+            return
+        # what ``_learn_call`` once a row would leave, at once: each row of ``pairs`` that gains
+        # is brought to the last tick (pairs and calls by the same factor: their ratio is what
+        # is read), each pair weighted by its age then
+        num = self.calls.size
+        routed = _routed(rows, num)
+        if self.previous is not None and self.previous.size:
+            before = np.zeros((1, num), np.float32)
+            before[0, self.previous] = 1.0
+            routed_before = np.concatenate([before, routed])
+        else:
+            routed_before = np.concatenate([np.zeros((1, num), np.float32), routed])
+        last = first_tick + len(rows) - 1
+        weight = np.exp2(-(last - (first_tick + np.arange(len(rows)))) / self.pair_half_life)
+        prev = routed_before[:-1] * weight[:, None].astype(np.float32)  # [n, E]: who led, weighted
+        gained = prev.sum(axis=0) > 0
+        c = np.flatnonzero(gained)
+        share = np.exp2((self.pairs_at[c] - last) / self.pair_half_life).astype(np.float32)
+        self.pairs[c] = self.pairs[c] * share[:, None] + (prev[:, c].T @ routed)
+        self.calls[c] = self.calls[c] * share + prev[:, c].sum(axis=0)
+        self.pairs_at[c] = last
+        self._learn_rows(rows, first_tick)
+        self.previous = np.unique(rows[-1])
+        self.current, self.follows = np.zeros(0, np.int64), None
+
+    def _learn_rows(self, rows: np.ndarray, first_tick: int) -> None:
+        """A subclass's own learning from observed rows (``previous`` still the call before
+        them)."""
+
+    def _learn_call(self, experts: np.ndarray, tick: int) -> None:
+        """A call routed ``experts`` (unique) at ``tick``, after ``previous``'s call: count what
+        followed what."""
         prev = self.previous
         if prev is not None and prev.size:
             share = np.exp2((self.pairs_at[prev] - tick) / self.pair_half_life).astype(np.float32)
@@ -315,11 +384,6 @@ class TransitionPolicy(DecayPolicy):
             self.pairs[prev] = rows
             self.calls[prev] = self.calls[prev] * share + 1.0
             self.pairs_at[prev] = tick
-        self.current, self.follows = experts, None  # worked out if a victim is asked for
-        try:
-            return super().admit(experts, tick, keep)
-        finally:
-            self.previous = np.array(experts)
 
     def score(self, experts: np.ndarray, tick: int) -> np.ndarray:
         base = super().score(experts, tick)
@@ -353,6 +417,7 @@ class LogisticPolicy(TransitionPolicy):
     logistic_weight = 4.0
     second = 0.5
     prior_logit = -2.0  # a call routes few of the layer's experts
+    observe_rows = 32  # of a prefill's rows (``observe``), the latest this many teach the models
 
     def setup_scores(self, num_experts: int) -> None:
         super().setup_scores(num_experts)
@@ -367,9 +432,23 @@ class LogisticPolicy(TransitionPolicy):
         w[x] += step
         b += step
 
-    def admit(
-        self, experts: np.ndarray, tick: int, keep: Optional[np.ndarray] = None
-    ) -> Tuple[np.ndarray, np.ndarray]:
+    def _learn_rows(self, rows: np.ndarray, first_tick: int) -> None:
+        # one SGD step a row costs tens of microseconds: only the latest rows, in order
+        if len(rows) > self.observe_rows:
+            rows = rows[-self.observe_rows :]
+            self.previous = self.before_previous = None
+        for row in rows:
+            experts = np.unique(row)
+            self._learn_models(experts)
+            self.previous = experts
+
+    def _learn_call(self, experts: np.ndarray, tick: int) -> None:
+        self._learn_models(experts)
+        super()._learn_call(experts, tick)
+
+    def _learn_models(self, experts: np.ndarray) -> None:
+        """One SGD step of each model, on ``experts`` (unique) after ``previous`` and
+        ``before_previous``; moves ``before_previous`` on (``previous`` is the caller's)."""
         routed = np.zeros(self.b_next.size, np.float32)
         routed[experts] = 1.0
         prev, before = self.previous, self.before_previous
@@ -377,14 +456,21 @@ class LogisticPolicy(TransitionPolicy):
             self._learn(self.w_next, self.b_next, prev, routed)
         if before is not None and before.size:
             self._learn(self.w_after, self.b_after, before, routed)
-        self.before_previous = prev  # ``previous`` moves on in super().admit
-        return super().admit(experts, tick, keep)
+        self.before_previous = prev
 
     def _follows(self, cur: np.ndarray) -> np.ndarray:
         p_next = _sigmoid(self.w_next[cur].sum(axis=0) + self.b_next)
         p_after = _sigmoid(self.w_after[cur].sum(axis=0) + self.b_after)
         ahead = self.logistic_weight * self.half_life * (p_next + self.second * p_after)
         return super()._follows(cur) + ahead
+
+
+def _routed(rows: np.ndarray, num_experts: int) -> np.ndarray:
+    """``[n, num_experts]`` float32: 1 where row i routed expert e."""
+    rows = np.asarray(rows, np.int64).reshape(len(rows), -1)
+    out = np.zeros((len(rows), num_experts), np.float32)
+    out[np.arange(len(rows))[:, None], rows] = 1.0
+    return out
 
 
 def _sigmoid(z: np.ndarray) -> np.ndarray:

@@ -35,11 +35,14 @@ from .protocol import Predictor
 from .whole_layer import WholeLayerReads
 
 MAX_PREDICT_TOKENS = 4  # prediction pays off in decode; a prefill needs most experts anyway
+# a whole-layer call's latest rows the eviction policy learns from (``observe_prefill``): the
+# prompt's end is what the decode continues, and a learning policy's update costs per row
+OBSERVE_ROWS = 128
 
 
 class _WholeCall(NamedTuple):
     """A whole-layer call once its computation is built: what ``whole_lookup`` waits on and
-    ``_warm`` copies from."""
+    ``_whole_computed`` learns and copies from."""
 
     layer: int
     pool: ExpertPool
@@ -61,6 +64,7 @@ class HostSyncCache:
 
     name = "?"
     prefill_warm_slots = False  # refill slots after a whole-layer call (caches with slots)
+    prefill_learns = False  # the policy learns a whole-layer call's routing (caches with one)
 
     def __init__(
         self,
@@ -127,7 +131,7 @@ class HostSyncCache:
         if self._pending is not None and self._pending[0] >= layer:
             older, self._pending, self._older = self._older, None, None
             if older is not None:  # computed by the pass that ended (its output fed the next)
-                self._warm(older)
+                self._whole_computed(older)
 
     def lookup(
         self, layer: int, x: mx.array, indices: mx.array, stats: LayerStats
@@ -174,7 +178,7 @@ class HostSyncCache:
         )
         stats.sync_s += time.perf_counter() - t0  # waiting for the device
         if older is not None:
-            self._warm(older)
+            self._whole_computed(older)
         pool = self.whole_reads.take(layer, stats)
         mx.async_eval(list(pool.arrays.values()))  # copies beside the previous layer's computation
         nxt = self._next_whole(layer)
@@ -219,24 +223,38 @@ class HostSyncCache:
         stats.sync_s += t1 - t0
         return mx.array(slot_of[inverse].reshape(idx.shape)), pool
 
-    def _warm(self, call: _WholeCall) -> None:
-        """Once a whole-layer call has computed: its slots take the experts the call's rows
-        routed most (``warm_slots``), copied from its pool, so the next calls of the layer (a
-        prompt's last token, the first generated ones) find them without a read. Its indices
-        are in memory by then: no wait."""
-        if not self.prefill_warm_slots:  # off: not even the indices are read back
+    def _whole_computed(self, call: _WholeCall) -> None:
+        """Once a whole-layer call has computed (its indices are in memory by then: no wait):
+        the layer's eviction policy learns from its latest rows (``observe_prefill``), and its
+        slots take the experts the call's rows routed most (``warm_slots``), copied from its
+        pool, so the next calls of the layer (a prompt's last token, the first generated ones)
+        find them without a read. With both off not even the indices are read back."""
+        if not (self.prefill_warm_slots or self.prefill_learns):
             return
         n = self.slot_count(call.layer)
         num = self.store.layout(call.layer).num_experts
         if n <= 0 or n >= num:
             return
-        idx = np.array(call.indices).reshape(-1).astype(np.int64)
+        rows = np.array(call.indices).reshape(-1, call.indices.shape[-1]).astype(np.int64)
+        if self.prefill_learns:
+            self.observe_prefill(call.layer, rows[-OBSERVE_ROWS:])
+        if self.prefill_warm_slots:
+            self._warm(call, rows.reshape(-1), n, num)
+
+    def _warm(self, call: _WholeCall, idx: np.ndarray, n: int, num: int) -> None:
+        """``warm_slots`` with the ``n`` experts of ``num`` that ``idx`` (the call's routing,
+        flat) routed most."""
         counts = np.bincount(idx, minlength=num)
         last = np.zeros(num, np.int64)  # where each expert was routed last
         np.maximum.at(last, idx, np.arange(idx.size))
         order = np.lexsort((-last, -counts))  # most routed first; of equals, the latest
         experts = np.sort(order[: min(n, int(np.count_nonzero(counts)))])
         self.warm_slots(call.layer, experts, call.pool)
+
+    def observe_prefill(self, layer: int, rows: np.ndarray) -> None:
+        """The layer's eviction policy learns from ``rows`` (``[n, top_k]``, a whole-layer
+        call's routing in token order), as from calls it did not serve: the slots stay as they
+        are. Caches without a policy do nothing."""
 
     def warm_slots(self, layer: int, experts: np.ndarray, whole: ExpertPool) -> None:
         """Make ``experts`` (sorted, unique, at most the layer's slots) resident, copied from

@@ -47,9 +47,13 @@ from .shared_memory import SharedMapping, round_up
     H_HOST_TICKS,
     H_HINT_N,
     H_HINT_TICK,
-) = range(11)
+    H_HOST_K,
+) = range(12)
 HEADER_WORDS = 12
-HOST_ADMIT, HOST_RELEASE = 1, 2  # host request kinds
+# host request kinds: admit experts, release them, or teach the policy calls it did not serve
+# (``H_HOST_N`` words, rows of ``H_HOST_K``: a prefill's routing)
+HOST_ADMIT, HOST_RELEASE, HOST_OBSERVE = 1, 2, 3
+OBSERVE_WORDS = 1024  # a host request's words: a prefill's latest 128 rows of top-8
 G_STOP, G_READY, G_ERRORS, G_PENDING_RELEASE = range(4)
 GLOBAL_WORDS = 16
 VECTORS = (
@@ -110,7 +114,7 @@ class ControlBlock:
             e, s = self.spec[layer]
             r = max(MAX_SELECTIONS, s)
             offsets[layer] = size
-            size += round_up(HEADER_WORDS + e + s + 4 * MAX_SELECTIONS + 3 * r, 16)
+            size += round_up(HEADER_WORDS + e + s + 4 * MAX_SELECTIONS + 3 * r + OBSERVE_WORDS, 16)
         stats_at = round_up(size * 4, 8)
         message_at = stats_at + 8 * STAT_WORDS * nl
         nbytes = message_at + MESSAGE_BYTES
@@ -138,7 +142,7 @@ class ControlBlock:
             csrc = reqi + MAX_SELECTIONS
             cdst = csrc + MAX_SELECTIONS
             hreq = cdst + MAX_SELECTIONS
-            hmiss = hreq + r
+            hmiss = hreq + r + OBSERVE_WORDS
             hvic = hmiss + r
             hint = hvic + r
             if self.buffer.owner:
@@ -166,7 +170,7 @@ class ControlBlock:
                 w[reqi : reqi + MAX_SELECTIONS],
                 w[csrc : csrc + MAX_SELECTIONS],
                 w[cdst : cdst + MAX_SELECTIONS],
-                w[hreq : hreq + r],
+                w[hreq : hreq + r + OBSERVE_WORDS],
                 w[hmiss : hmiss + r],
                 w[hvic : hvic + r],
                 w[hint : hint + MAX_SELECTIONS],

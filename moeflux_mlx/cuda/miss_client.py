@@ -25,11 +25,14 @@ from .control_block import (
     G_PENDING_RELEASE,
     G_READY,
     G_STOP,
+    H_HOST_K,
     H_HOST_KIND,
     H_HOST_N,
     H_HOST_NMISS,
     H_WAIT_US,
     H_WAITS,
+    HOST_OBSERVE,
+    OBSERVE_WORDS,
     S_BYTES,
     S_IO_NS,
     S_MISSED,
@@ -141,13 +144,34 @@ class MissServer:
         """Admit ``experts`` into the table (``HOST_ADMIT``: returns the missing ones and the
         slots they were given, for the caller to fill) or release them (``HOST_RELEASE``).
         Only while the GPU has no table call of this layer in flight (a synced call)."""
+        seq = self._post(layer, kind, np.asarray(experts).reshape(1, -1))
+        self._answered(layer, seq)
+        t = self.control.layers[layer]
+        m = int(t.header[H_HOST_NMISS])
+        return t.host_missing[:m].astype(np.int64), t.host_victims[:m].astype(np.int64)
+
+    def observe(self, layer: int, rows: np.ndarray) -> None:
+        """Teach the layer's policy ``rows`` (``[n, top_k]``, calls it did not serve: a
+        prefill's routing; the latest that fit a request), without waiting for the server:
+        the GPU may run on meanwhile (nothing here changes a slot), and the layer's next host
+        request waits for this one first."""
+        rows = np.asarray(rows).reshape(len(rows), -1)
+        rows = rows[-(OBSERVE_WORDS // max(rows.shape[1], 1)) :]
+        if rows.size:
+            self._post(layer, HOST_OBSERVE, rows)
+
+    def _post(self, layer: int, kind: int, rows: np.ndarray) -> int:
+        """Write a host request of ``rows`` (``[n, k]``) for the layer's server, once its
+        previous one is answered; returns its sequence number."""
         self._check_alive()
         c = self.control
         t = c.layers[layer]
         i = t.index
-        n = len(experts)
-        t.host_request[:n] = experts
+        self._answered(layer, int(c.host_requests[i]))
+        n = rows.size
+        t.host_request[:n] = rows.reshape(-1)
         t.header[H_HOST_N] = n
+        t.header[H_HOST_K] = rows.shape[1] if rows.ndim == 2 else n
         t.header[H_HOST_KIND] = kind
         seq = int(c.host_answers[i]) + 1
         c.host_requests[i] = seq
@@ -156,6 +180,12 @@ class MissServer:
         except OSError:
             self._check_alive()
             raise
+        return seq
+
+    def _answered(self, layer: int, seq: int) -> None:
+        """Wait until the server has answered the layer's host request ``seq``."""
+        c = self.control
+        i = c.layers[layer].index
         deadline = time.monotonic() + HOST_WAIT_S
         while c.host_answers[i] != seq:
             self._check_alive()
@@ -164,8 +194,6 @@ class MissServer:
                     f"layer {layer}: the miss server did not answer within {HOST_WAIT_S:.0f} s"
                 )
             time.sleep(20e-6)
-        m = int(t.header[H_HOST_NMISS])
-        return t.host_missing[:m].astype(np.int64), t.host_victims[:m].astype(np.int64)
 
     def check(self) -> None:
         """Raise what went wrong since the last check: a GPU fault, a failed read, the server

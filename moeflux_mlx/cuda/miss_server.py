@@ -49,6 +49,7 @@ from .control_block import (
     H_ERR,
     H_HINT_N,
     H_HINT_TICK,
+    H_HOST_K,
     H_HOST_KIND,
     H_HOST_N,
     H_HOST_NMISS,
@@ -56,6 +57,7 @@ from .control_block import (
     H_NCOPY,
     H_NREQ,
     HOST_ADMIT,
+    HOST_OBSERVE,
     HOST_RELEASE,
     S_BYTES,
     S_IO_NS,
@@ -350,6 +352,10 @@ class Server:
             t.host_victims[: missing.size] = victims
         elif t.header[H_HOST_KIND] == HOST_RELEASE:
             policy.release(experts)
+        elif t.header[H_HOST_KIND] == HOST_OBSERVE:  # calls the policy did not serve
+            rows = experts.reshape(-1, max(int(t.header[H_HOST_K]), 1))
+            policy.observe(rows, c.clock(i) + 1)
+            t.header[H_HOST_TICKS] += len(rows)
         t.header[H_HOST_NMISS] = missing.size
         c.host_answers[i] = seq
 

@@ -80,6 +80,7 @@ class TableCache(BudgetCache):
             prefill_whole_layer=options.prefill_whole_layer,
             prefill_read_ahead=options.prefill_read_ahead,
             prefill_warm_slots=options.prefill_warm_slots,
+            prefill_learns=options.prefill_learns,
         )
         self.name = "table"  # not the policy's name (BudgetCache's)
         self.wait_s = options.wait_timeout_s
@@ -147,6 +148,11 @@ class TableCache(BudgetCache):
     def _release(self, layer: int, missing: np.ndarray) -> None:
         if self._table(layer) is not None:
             self.server.host_request(layer, HOST_RELEASE, missing)
+
+    def _observe(self, layer: int, rows: np.ndarray) -> None:
+        if self._table(layer) is None:
+            return super()._observe(layer, rows)
+        self.server.observe(layer, rows)  # no slot changes: the GPU may run on meanwhile
 
     def _write(
         self, layer: int, pool: SlotPool, slots: np.ndarray, blobs: np.ndarray, stats: LayerStats

@@ -117,6 +117,7 @@ def make_cache(
                 prefill_whole_layer=whole,
                 prefill_read_ahead=options.prefill_read_ahead,
                 prefill_warm_slots=options.prefill_warm_slots,
+                prefill_learns=options.prefill_learns,
             )
     except BaseException:
         if prefetcher is not None:
