@@ -43,7 +43,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from moeflux_mlx.benchmark import report  # noqa: E402
-from moeflux_mlx.benchmark.routing import RoutingTrace, analyze, format_report  # noqa: E402
+from moeflux_mlx.benchmark.routing import (  # noqa: E402
+    RoutingTrace,
+    analyze,
+    format_prompt_learning,
+    format_report,
+    prompt_learning_table,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TEXT = ROOT / "training" / "data" / "tokens-test.npy"
@@ -190,6 +196,13 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", default="1,2,4,8,12,16", help="reuse windows in tokens")
     ap.add_argument("--predictor-windows", default="1,2,4,8,16", help="window predictors")
     ap.add_argument("--prefetch-budget", type=float, default=0.25)
+    ap.add_argument(
+        "--prompt-learning",
+        default=None,
+        metavar="PROMPT:DECODE",
+        help="also replay decode windows of DECODE tokens after PROMPT tokens the policies "
+        "learn from first (the load option prefill_learns), at 25%%, e.g. 128:512",
+    )
     ap.add_argument("--label", default=None, help="names the files (default: model folder)")
     ap.add_argument("--build-dir", type=Path, default=ROOT / ".cache" / "bench-models")
     ap.add_argument("--machine", default=None)
@@ -217,6 +230,10 @@ def main(argv=None) -> int:
             predictor_windows=_ints(args.predictor_windows),
         )
         sections.append(f"## {trace.meta.get('mode', 'trace')}\n\n" + format_report(result))
+        if args.prompt_learning:
+            p, d = (int(v) for v in args.prompt_learning.split(":"))
+            learnt = prompt_learning_table(trace, prompt_tokens=p, decode_tokens=d)
+            sections.append("### Policies taught the prompt\n\n" + format_prompt_learning(learnt))
     body = (
         f"# Routing, caching and prediction: {label}\n\nMachine: {machine}. "
         f"`benchmarks/cache_policy.py`; see docs/routing.md.\n\n" + "\n\n".join(sections) + "\n"

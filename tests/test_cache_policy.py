@@ -316,3 +316,31 @@ def test_text_sample_whole_or_per_document(tmp_path):
     tokens, what = cp.text_tokens(tmp_path / "t.npy", 0, 35, 20)
     assert tokens.tolist() == list(range(0, 10)) + list(range(10, 30)) + list(range(60, 65))
     assert what == "t.npy: the first 20 tokens of documents 0-2"
+
+
+def test_prompt_learning_replays_windows_with_and_without_the_prompt():
+    """Each window: LRU's misses and each policy's share of them, fresh and taught the prompt
+    (LRU learns nothing from it); the first window is where the trace's predictions start;
+    the report has a row per window and the summed ratios."""
+    trace = _trace(tokens=60, layers=2)
+    out = R.prompt_learning_table(
+        trace, policies=("lru", "transition"), prompt_tokens=5, decode_tokens=10, step=15
+    )
+    assert [r["start"] for r in out["rows"]] == [40, 0, 15, 30, 45]
+    for r in out["rows"]:
+        want = sum(
+            sum(
+                m.size
+                for _, m, _ in R.replay(
+                    trace.routed[r["start"] + 5 : r["start"] + 15, i], 64, 16, LRUPolicy(64, 16)
+                )
+            )
+            for i in range(2)
+        )
+        assert r["LRU"] == want > 0 and r["lru"] == r["lru learnt"] == 1.0
+        assert 0 < r["transition learnt"] <= 1.5
+    assert any(r["transition learnt"] != r["transition"] for r in out["rows"])
+    pooled = out["pooled"]
+    assert set(pooled) == {"lru", "lru learnt", "transition", "transition learnt"}
+    text = R.format_prompt_learning(out)
+    assert "| 40 |" in text and "| all, summed |" in text

@@ -358,6 +358,94 @@ def replay_table(
     return {"columns": columns, "rows": rows, "tokens": tokens}
 
 
+def prompt_learning_table(
+    trace: RoutingTrace,
+    budget: float = 0.25,
+    policies: Sequence[str] = ("transition", "logistic"),
+    prompt_tokens: int = 128,
+    decode_tokens: int = 512,
+    step: int = 333,
+) -> dict:
+    """What a prefill's routing teaches a policy (``EvictionPolicy.observe``, the load option
+    ``prefill_learns``): misses of a decode window from empty slots, as a share of LRU's, with
+    the policy fresh and after observing the window's prompt, over windows of the trace
+    (``prompt_tokens`` rows observed, then ``decode_tokens`` rows replayed, as
+    ``benchmarks/decode.py`` with ``--routing-trace`` runs it: the first window where the
+    trace's predictions start, then every ``step`` tokens from 0).
+
+    Args:
+        trace: the recording.
+        budget: a fraction of each layer's experts.
+        policies: ``cache.policy.POLICIES`` names.
+        prompt_tokens, decode_tokens: a window's prompt and decode.
+        step: tokens between windows.
+
+    Returns:
+        ``{"rows": [{"start", "LRU", name: ratio, name + " learnt": ratio, ...}], "pooled":
+        {...}, "columns": [...]}``: LRU's misses and each ratio per window, and the ratios of
+        the summed misses.
+    """
+    span = prompt_tokens + decode_tokens
+    starts = [trace.eval_from] if trace.eval_from + span <= trace.routed.shape[0] else []
+    starts += [s for s in range(0, trace.routed.shape[0] - span + 1, step) if s not in starts]
+    rows, totals = [], {}
+    for start in starts:
+        prompt = trace.routed[start : start + prompt_tokens]
+        decode = trace.routed[start + prompt_tokens : start + span]
+        row: dict = {"start": start}
+        for name, learn in [("LRU", False)] + [
+            (f"{p}{tag}", bool(tag)) for p in policies for tag in ("", " learnt")
+        ]:
+            cls = POLICIES[name.split()[0].lower()]
+            missed = 0
+            for i, e in enumerate(trace.num_experts):
+                policy = cls(e, budget_slots(budget, e, trace.top_k))
+                if learn:
+                    policy.observe(prompt[:, i], 1)
+                first = prompt_tokens + 1  # the decode's ticks follow the prompt's
+                for tick, experts in enumerate(decode[:, i], start=first):
+                    missing, victims = policy.admit(np.unique(experts), tick)
+                    policy.assign(missing, victims, tick)
+                    missed += missing.size
+            row[name] = missed
+            totals[name] = totals.get(name, 0) + missed
+        rows.append(row)
+    names = [n for n in totals if n != "LRU"]
+    for row in rows:
+        for n in names:
+            row[n] = row[n] / row["LRU"]
+    pooled = {n: totals[n] / totals["LRU"] for n in names}
+    return {
+        "budget": budget,
+        "prompt": prompt_tokens,
+        "decode": decode_tokens,
+        "rows": rows,
+        "pooled": pooled,
+        "columns": names,
+    }
+
+
+def format_prompt_learning(result: dict) -> str:
+    """``prompt_learning_table``'s result as a markdown table."""
+    cols = result["columns"]
+    head = "| window start | LRU misses | " + " | ".join(f"{c} (x LRU)" for c in cols) + " |"
+    out = [
+        f"Budget {result['budget']:.0%}; each window observes {result['prompt']} prompt rows "
+        f'(the "learnt" columns) and replays {result["decode"]} decode rows from empty slots.',
+        "",
+        head,
+        "|" + "---|" * (len(cols) + 2),
+    ]
+    for r in result["rows"]:
+        out.append(
+            f"| {r['start']} | {r['LRU']} | " + " | ".join(f"{r[c]:.3f}" for c in cols) + " |"
+        )
+    out.append(
+        "| all, summed | - | " + " | ".join(f"{result['pooled'][c]:.3f}" for c in cols) + " |"
+    )
+    return "\n".join(out)
+
+
 # --------------------------------------------------------------------- predictors and recall
 
 
