@@ -13,6 +13,9 @@ an online logistic model of the next two calls (``LogisticPolicy``); ``s3fifo`` 
 scan-resistant (``S3FIFOPolicy``). Ties go to the least recently used. ``docs/routing.md`` has
 the replayed and live miss counts that chose the default.
 
+``observe`` teaches a policy calls it did not serve (a prefill that read its layers whole,
+``LoadOptions.prefill_learns``): what it learns from routing, never which experts are resident.
+
 Every policy frees only slots the call being admitted does not use: ``admit`` marks the call's
 hits used at its tick (``now``) before it asks for victims, and no policy picks a slot used at
 ``now``. ``admit``'s ``keep`` (the experts a speculative pass's later tokens route to, served one
