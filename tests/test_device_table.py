@@ -811,6 +811,22 @@ def test_decode_through_the_table_lets_the_prefill_s_held_output_go(
         assert rt.stats.total().unsynced_calls > 0 and rt.cache._pending is None
 
 
+@contextlib.contextmanager
+def _prefilled_through_the_table(packed, prompt, total):
+    """The model at 30% through the table (ops: bit-exact with stock) once a whole-layer
+    prefill chunk of ``prompt`` has computed and the next pass has started (every layer but the
+    last done with); yields ``(model, runtime)``."""
+    model, _ = moeflux_mlx.load(
+        packed, cache_budget=int(0.3 * total), device_table=True, backend="ops"
+    )
+    with model.moeflux as rt:
+        cache = make_prompt_cache(model)
+        model(prompt[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        rt.cache.begin_call(0)
+        yield model, rt
+
+
 def test_a_whole_layer_prefill_warms_the_table_s_slots(table_on_cpu, reference, monkeypatch):
     """Through the table, a whole-layer prefill's layers (all but the last, never computed)
     leave experts in the slots, admitted by the miss server and copied from their whole-layer
@@ -820,14 +836,7 @@ def test_a_whole_layer_prefill_warms_the_table_s_slots(table_on_cpu, reference, 
     held = {}
     for warm in ("on", "off"):
         monkeypatch.setenv("MOEFLUX_PREFILL_WARM_SLOTS", warm)
-        model, _ = moeflux_mlx.load(
-            packed, cache_budget=int(0.3 * total), device_table=True, backend="ops"
-        )
-        with model.moeflux as rt:
-            cache = make_prompt_cache(model)
-            model(prompt[None], cache=cache)
-            mx.eval([c.state for c in cache])
-            rt.cache.begin_call(0)  # the next pass: the last computed layer is warmed too
+        with _prefilled_through_the_table(packed, prompt, total) as (model, rt):
             layers = sorted(rt.layout.layers)
             held[warm] = {
                 i: int((rt.cache.slot_of(i) >= 0).sum()) if i in rt.cache.pools else 0
@@ -850,14 +859,7 @@ def test_a_whole_layer_prefill_teaches_the_miss_server_s_policy(
     packed, prompt, want, total = reference
     monkeypatch.setenv("MOEFLUX_PREFILL_WHOLE_LAYER", "1")
     monkeypatch.setenv("MOEFLUX_PREFILL_LEARNS", "on")
-    model, _ = moeflux_mlx.load(
-        packed, cache_budget=int(0.3 * total), device_table=True, backend="ops"
-    )
-    with model.moeflux as rt:
-        cache = make_prompt_cache(model)
-        model(prompt[None], cache=cache)
-        mx.eval([c.state for c in cache])
-        rt.cache.begin_call(0)  # the next pass: the last computed layer learns too
+    with _prefilled_through_the_table(packed, prompt, total) as (model, rt):
         control = rt.cache.control
         layers = sorted(control.layers)
         rows = min(prompt.size, OBSERVE_ROWS)

@@ -1,6 +1,7 @@
 """Prefill at small budgets: whole-layer reads without a host sync (``prefill_whole_layer``) are
 exact, bounded, and leave nothing corrupted behind a failed read."""
 
+import contextlib
 import errno
 import itertools
 import os
@@ -633,17 +634,13 @@ def test_layer_copy_kernel_copies_every_component():
             assert np.array_equal(np.array(got[c.name]), want), (blocks, c.name)
 
 
-@pytest.mark.parametrize("writes", WRITES)
-@pytest.mark.parametrize("warm", [True, False])
-def test_a_prefill_leaves_its_most_routed_experts_in_the_slots(tiny, monkeypatch, writes, warm):
-    """Once each whole-layer call has computed, its layer's slots hold the experts its rows
-    routed most (of equals, the latest), with their bytes; not the last layer, whose output a
-    prefill never computes. Off, the slots stay empty. Greedy decode stays exact either way."""
+@contextlib.contextmanager
+def _after_a_prefill(monkeypatch, packed, prompt):
+    """The model (pread, whole-layer reads) once a prefill chunk of ``prompt`` has computed
+    (its logits never evaluated) and the next pass has started, so that every layer but the
+    last is done with; yields ``(model, runtime, each layer's router indices)``."""
     from moeflux_mlx.cache.synced import HostSyncCache
 
-    packed, prompt, _, want_tokens = tiny
-    _set_writes(monkeypatch, writes)
-    monkeypatch.setenv("MOEFLUX_PREFILL_WARM_SLOTS", "on" if warm else "off")
     routed = {}
     real = HostSyncCache.whole_lookup
 
@@ -655,11 +652,24 @@ def test_a_prefill_leaves_its_most_routed_experts_in_the_slots(tiny, monkeypatch
     model = _load(monkeypatch, packed, ROWS, expert_io="pread")
     with model.moeflux as rt:
         cache = make_prompt_cache(model)
-        model(prompt[None], cache=cache)  # a prefill chunk: logits never evaluated
+        model(prompt[None], cache=cache)
         mx.eval([c.state for c in cache])
-        rt.cache.begin_call(0)  # the next pass starts: the last computed layer is warmed too
+        rt.cache.begin_call(0)
+        assert sorted(routed) == sorted(rt.layout.layers)
+        yield model, rt, routed
+
+
+@pytest.mark.parametrize("writes", WRITES)
+@pytest.mark.parametrize("warm", [True, False])
+def test_a_prefill_leaves_its_most_routed_experts_in_the_slots(tiny, monkeypatch, writes, warm):
+    """Once each whole-layer call has computed, its layer's slots hold the experts its rows
+    routed most (of equals, the latest), with their bytes; not the last layer, whose output a
+    prefill never computes. Off, the slots stay empty. Greedy decode stays exact either way."""
+    packed, prompt, _, want_tokens = tiny
+    _set_writes(monkeypatch, writes)
+    monkeypatch.setenv("MOEFLUX_PREFILL_WARM_SLOTS", "on" if warm else "off")
+    with _after_a_prefill(monkeypatch, packed, prompt) as (model, rt, routed):
         layers = sorted(routed)
-        assert layers == sorted(rt.layout.layers)
         for layer in layers:
             slot_of = rt.cache.slot_of(layer)
             held = [] if slot_of is None else np.flatnonzero(slot_of >= 0).tolist()
@@ -706,27 +716,13 @@ def test_a_prefill_teaches_the_eviction_policy_its_routing(tiny, monkeypatch, le
     latest rows (as many calls on its clock, the last of them as the call before the next),
     and the slots stay empty; not the last layer, whose output a prefill never computes. Off,
     the policies learn nothing. Greedy decode stays exact either way."""
-    from moeflux_mlx.cache.synced import OBSERVE_ROWS, HostSyncCache
+    from moeflux_mlx.cache.synced import OBSERVE_ROWS
 
     packed, prompt, _, want_tokens = tiny
     monkeypatch.setenv("MOEFLUX_PREFILL_LEARNS", "on" if learns else "off")
     monkeypatch.setenv("MOEFLUX_EVICTION", "transition")
-    routed = {}
-    real = HostSyncCache.whole_lookup
-
-    def spy(self, layer, indices, stats):
-        routed[layer] = indices
-        return real(self, layer, indices, stats)
-
-    monkeypatch.setattr(HostSyncCache, "whole_lookup", spy)
-    model = _load(monkeypatch, packed, ROWS, expert_io="pread")
-    with model.moeflux as rt:
-        cache = make_prompt_cache(model)
-        model(prompt[None], cache=cache)  # a prefill chunk: logits never evaluated
-        mx.eval([c.state for c in cache])
-        rt.cache.begin_call(0)  # the next pass starts: the last computed layer learns too
+    with _after_a_prefill(monkeypatch, packed, prompt) as (model, rt, routed):
         layers = sorted(routed)
-        assert layers == sorted(rt.layout.layers)
         for layer in layers:
             policy = rt.cache.policies.get(layer)
             if not learns or layer == layers[-1]:
