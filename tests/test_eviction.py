@@ -271,6 +271,46 @@ def test_observe_learns_what_serving_the_calls_would_have_taught(policy, monkeyp
         fresh.assign(*want, tick)
 
 
+@pytest.mark.parametrize("policy", ["lfu", "decay", "transition", "logistic"])
+def test_observe_after_served_calls_decays_what_came_before(policy, monkeypatch):
+    """A policy that has served calls, then observes more: it learns what serving them would
+    have taught (what it knew decayed to the observed ticks; the first observed call following
+    none it saw), its slots left as the served calls left them."""
+    import copy
+
+    monkeypatch.setattr(LogisticPolicy, "observe_rows", 1000)
+    rows = _markov_rows(160, seed=1)
+    base = POLICIES[policy](16, 5)
+    for tick, row in enumerate(rows[:40], start=1):
+        base.assign(*base.admit(row, tick), tick)
+    taught, served = copy.deepcopy(base), copy.deepcopy(base)
+    taught.observe(rows[40:100], 41)
+    if hasattr(served, "previous"):
+        served.previous = None  # the observed rows follow no call the policy saw
+    if hasattr(served, "before_previous"):
+        served.before_previous = None
+    for tick, row in enumerate(rows[40:100], start=41):
+        served.assign(*served.admit(row, tick), tick)
+    for name, value in vars(taught).items():  # the served one's learning, the taught one's slots
+        if name in _SLOT_STATE + ("current", "follows"):  # (and no call being admitted)
+            setattr(served, name, copy.deepcopy(value))
+    everyone = np.arange(16)
+    np.testing.assert_allclose(taught.score(everyone, 100), served.score(everyone, 100), 1e-5)
+    if hasattr(taught, "pairs"):  # what is read of them: each row over its calls
+        for p in (taught, served):
+            assert p.previous.tolist() == rows[99].tolist()
+        ratio = [p.pairs / np.maximum(p.calls, 1e-6)[:, None] for p in (taught, served)]
+        np.testing.assert_allclose(*ratio, rtol=1e-5, atol=1e-6)
+    if hasattr(taught, "w_next"):
+        for name in ("w_next", "w_after", "b_next", "b_after"):
+            np.testing.assert_allclose(getattr(taught, name), getattr(served, name), 1e-5)
+    for tick, row in enumerate(rows[100:], start=101):
+        got, want = taught.admit(row, tick), served.admit(row, tick)
+        assert [a.tolist() for a in got] == [a.tolist() for a in want], (policy, tick)
+        taught.assign(*got, tick)
+        served.assign(*want, tick)
+
+
 def test_observe_teaches_lru_nothing_and_logistic_only_its_latest_rows():
     rows = _markov_rows(100)
     lru = LRUPolicy(16, 5)

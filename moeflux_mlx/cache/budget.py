@@ -129,7 +129,7 @@ class BudgetCache(HostSyncCache):
     def _observe(self, layer: int, rows: np.ndarray) -> None:
         """The layer's policy learns from ``rows`` (calls it did not serve); its clock moves on
         by as many calls."""
-        policy = self.policies[layer]
+        policy = self._policy(layer)
         policy.observe(rows, int(policy.clock[0]) + 1)
         policy.clock[0] += len(rows)
 
@@ -152,8 +152,17 @@ class BudgetCache(HostSyncCache):
             n_slots, layout = self.n_slots[layer], self.store.layout(layer)
             pool = self.pools[layer] = SlotPool(layout, n_slots, self.staging)
             if not self._fills_whole(layer) and self._keeps_policy(layer):
-                self.policies[layer] = self.policy_class(layout.num_experts, n_slots)
+                self._policy(layer)
         return pool
+
+    def _policy(self, layer: int) -> EvictionPolicy:
+        """The partially cached layer's policy, made on first use (before its slots, when a
+        prefill teaches it: ``observe_prefill``)."""
+        policy = self.policies.get(layer)
+        if policy is None:
+            num = self.store.layout(layer).num_experts
+            policy = self.policies[layer] = self.policy_class(num, self.n_slots[layer])
+        return policy
 
     def _keeps_policy(self, layer: int) -> bool:
         return True
@@ -187,9 +196,9 @@ class BudgetCache(HostSyncCache):
         return slot_of[experts].astype(np.uint32), pool.pool
 
     def observe_prefill(self, layer: int, rows: np.ndarray) -> None:
+        # no slots made here: a pool would be allocated (and waited for) mid-prefill
         if layer in self.resident or self._fills_whole(layer) or not len(rows):
             return
-        self._pool(layer)  # the layer's bookkeeping (its slots are needed next anyway)
         self._observe(layer, rows)
 
     def warm_slots(self, layer: int, experts: np.ndarray, whole: ExpertPool) -> None:

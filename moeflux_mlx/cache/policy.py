@@ -115,8 +115,9 @@ class EvictionPolicy:
         """Learn from calls that routed without going through the slots: ``rows`` ``[n, k]``,
         the experts of n calls at ticks ``first_tick``, ``first_tick + 1``, ... (a prefill that
         read its layer whole). What a policy learns from routing (use counts, what follows
-        what) and nothing about residency: the slots stay as they are. LRU and S3-FIFO learn
-        nothing from calls they did not serve."""
+        what) and nothing about residency: the slots stay as they are. The first row is taken
+        to follow no call the policy saw (a prefill's latest rows, not its first). LRU and
+        S3-FIFO learn nothing from calls they did not serve."""
 
     def touch(self, slots: np.ndarray, tick: int) -> None:
         raise NotImplementedError
@@ -350,15 +351,11 @@ class TransitionPolicy(DecayPolicy):
             return
         # what ``_learn_call`` once a row would leave, at once: each row of ``pairs`` that gains
         # is brought to the last tick (pairs and calls by the same factor: their ratio is what
-        # is read), each pair weighted by its age then
+        # is read), each pair weighted by its age then. The first row leads no pair.
         num = self.calls.size
         routed = _routed(rows, num)
-        if self.previous is not None and self.previous.size:
-            before = np.zeros((1, num), np.float32)
-            before[0, self.previous] = 1.0
-            routed_before = np.concatenate([before, routed])
-        else:
-            routed_before = np.concatenate([np.zeros((1, num), np.float32), routed])
+        routed_before = np.concatenate([np.zeros((1, num), np.float32), routed])
+        self.previous = None
         last = first_tick + len(rows) - 1
         weight = np.exp2(-(last - (first_tick + np.arange(len(rows)))) / self.pair_half_life)
         prev = routed_before[:-1] * weight[:, None].astype(np.float32)  # [n, E]: who led, weighted
@@ -436,10 +433,10 @@ class LogisticPolicy(TransitionPolicy):
         b += step
 
     def _learn_rows(self, rows: np.ndarray, first_tick: int) -> None:
-        # one SGD step a row costs tens of microseconds: only the latest rows, in order
-        if len(rows) > self.observe_rows:
-            rows = rows[-self.observe_rows :]
-            self.previous = self.before_previous = None
+        # one SGD step a row costs tens of microseconds: only the latest rows, in order, the
+        # first following none the policy saw
+        rows = rows[-self.observe_rows :]
+        self.previous = self.before_previous = None
         for row in rows:
             experts = np.unique(row)
             self._learn_models(experts)

@@ -153,7 +153,8 @@ class MissServer:
     def observe(self, layer: int, rows: np.ndarray) -> None:
         """Teach the layer's policy ``rows`` (``[n, top_k]``, calls it did not serve: a
         prefill's routing; the latest that fit a request), without waiting for the server:
-        the GPU may run on meanwhile (nothing here changes a slot), and the layer's next host
+        the GPU may run on meanwhile (nothing here changes a slot; the layer's clock moves on,
+        which at most shifts the recency of a call in flight), and the layer's next host
         request waits for this one first."""
         rows = np.asarray(rows).reshape(len(rows), -1)
         rows = rows[-(OBSERVE_WORDS // max(rows.shape[1], 1)) :]
