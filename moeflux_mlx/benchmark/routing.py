@@ -393,10 +393,10 @@ def prompt_learning_table(
         prompt = trace.routed[start : start + prompt_tokens]
         decode = trace.routed[start + prompt_tokens : start + span]
         row: dict = {"start": start}
-        for name, learn in [("LRU", False)] + [
-            (f"{p}{tag}", bool(tag)) for p in policies for tag in ("", " learnt")
-        ]:
-            cls = POLICIES[name.split()[0].lower()]
+        runs = [("LRU", "lru", False)]
+        runs += [(f"{p}{tag}", p, bool(tag)) for p in policies for tag in ("", " learnt")]
+        for name, policy_name, learn in runs:
+            cls = POLICIES[policy_name]
             missed = 0
             for i, e in enumerate(trace.num_experts):
                 policy = cls(e, budget_slots(budget, e, trace.top_k))

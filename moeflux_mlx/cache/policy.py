@@ -300,11 +300,10 @@ class DecayPolicy(_CountingPolicy):
             return
         routed = _routed(rows, self.count.size)
         last = first_tick + len(rows) - 1
-        ages = last - (first_tick + np.arange(len(rows)))
-        seen = routed.any(axis=0)
+        ages = np.arange(len(rows) - 1, -1, -1)
         uses = np.exp2(-ages / self.half_life) @ routed
         last_use = last - np.argmax(routed[::-1], axis=0)  # each expert's last row
-        e = np.flatnonzero(seen)
+        e = np.flatnonzero(routed.any(axis=0))
         now = self.count[e] * np.exp2((self.at[e] - last) / self.half_life) + uses[e]
         self.count[e] = now * np.exp2((last - last_use[e]) / self.half_life)
         self.at[e] = last_use[e]
@@ -352,26 +351,22 @@ class TransitionPolicy(DecayPolicy):
         # what ``_learn_call`` once a row would leave, at once: each row of ``pairs`` that gains
         # is brought to the last tick (pairs and calls by the same factor: their ratio is what
         # is read), each pair weighted by its age then. The first row leads no pair.
-        num = self.calls.size
-        routed = _routed(rows, num)
-        routed_before = np.concatenate([np.zeros((1, num), np.float32), routed])
-        self.previous = None
+        routed = _routed(rows, self.calls.size)
+        ages = np.arange(len(rows) - 2, -1, -1)  # of rows 1.., each led by the row before it
+        lead = routed[:-1] * np.exp2(-ages / self.pair_half_life).astype(np.float32)[:, None]
+        c = np.flatnonzero(lead.any(axis=0))
         last = first_tick + len(rows) - 1
-        weight = np.exp2(-(last - (first_tick + np.arange(len(rows)))) / self.pair_half_life)
-        prev = routed_before[:-1] * weight[:, None].astype(np.float32)  # [n, E]: who led, weighted
-        gained = prev.sum(axis=0) > 0
-        c = np.flatnonzero(gained)
         share = np.exp2((self.pairs_at[c] - last) / self.pair_half_life).astype(np.float32)
-        self.pairs[c] = self.pairs[c] * share[:, None] + (prev[:, c].T @ routed)
-        self.calls[c] = self.calls[c] * share + prev[:, c].sum(axis=0)
+        self.pairs[c] = self.pairs[c] * share[:, None] + lead[:, c].T @ routed[1:]
+        self.calls[c] = self.calls[c] * share + lead[:, c].sum(axis=0)
         self.pairs_at[c] = last
         self._learn_rows(rows, first_tick)
         self.previous = np.unique(rows[-1])
         self.current, self.follows = np.zeros(0, np.int64), None
 
     def _learn_rows(self, rows: np.ndarray, first_tick: int) -> None:
-        """A subclass's own learning from observed rows (``previous`` still the call before
-        them)."""
+        """A subclass's own learning from observed rows (the first following no call it
+        saw)."""
 
     def _learn_call(self, experts: np.ndarray, tick: int) -> None:
         """A call routed ``experts`` (unique) at ``tick``, after ``previous``'s call: count what

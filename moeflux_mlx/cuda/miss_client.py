@@ -172,7 +172,7 @@ class MissServer:
         n = rows.size
         t.host_request[:n] = rows.reshape(-1)
         t.header[H_HOST_N] = n
-        t.header[H_HOST_K] = rows.shape[1] if rows.ndim == 2 else n
+        t.header[H_HOST_K] = rows.shape[1]
         t.header[H_HOST_KIND] = kind
         seq = int(c.host_answers[i]) + 1
         c.host_requests[i] = seq
