@@ -22,6 +22,11 @@ may land late and must not overwrite newer ones). The GPU writes the GPU request
 call counts (``ticks``), the wait counters, the hints and ``last_used`` (each slot's last use by the GPU;
 the server keeps its own and takes the later of the two); the model's process writes
 ``expected``, the host requests and ``stop``; the server writes everything else.
+
+When the server may change a layer's table (``slot_of``): only while no GPU call of the layer
+can be reading it. That is while the GPU waits for the server's answer to the layer's request,
+on a host request (synced calls: none in flight), or, freeing the slots of a failed read, while
+the layer has no call in flight (``ticks == expected``).
 """
 
 from __future__ import annotations

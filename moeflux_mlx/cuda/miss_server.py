@@ -268,6 +268,8 @@ class Server:
     def answer_gpu(self, i: int) -> None:
         c = self.control
         layer, t, policy = self._layer(i)
+        if self.releases:
+            self.release_failed(i)
         seq = int(c.requests[i])
         n_request = int(t.header[H_NREQ])
         experts = np.unique(t.request[:n_request])
@@ -359,11 +361,17 @@ class Server:
         t.header[H_HOST_NMISS] = missing.size
         c.host_answers[i] = seq
 
-    def release_done(self) -> None:
-        """Free the slots of failed reads once the GPU has finished the call that got them."""
+    def release_failed(self, answering: int = -1) -> None:
+        """Free the slots of failed reads once the GPU has finished the call that got them, and
+        only while no call of their layer can be looking them up: in the answer to the layer's
+        next request (``answering``: the GPU waits there, and asks for every expert of its call,
+        so it reads again what it found poisoned) or while the layer has no call in flight. A
+        slot freed under a running call would read as absent once its answer came."""
+        c = self.control
         keep = []
         for i, call, experts in self.releases:
-            if int(self.control.ticks[i]) >= call:
+            quiet = i == answering or c.ticks[i] == c.expected[i]
+            if quiet and int(c.ticks[i]) >= call:
                 self.policies[self.control.order[i]].release(experts)
                 self.control.globals[G_PENDING_RELEASE] -= 1
             else:
@@ -390,7 +398,7 @@ class Server:
                 self.answer_gpu(int(i))
                 worked = True
             if self.releases:
-                self.release_done()
+                self.release_failed()
             if worked:
                 poll_s = self.poll_s
                 continue
