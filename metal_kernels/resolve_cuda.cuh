@@ -55,7 +55,9 @@
   __syncthreads();
   if (t < N) {
     int s = bad ? -1 : mf_ld_acquire(c + tab + e);
-    if (s < 0) s = 0;  // only after a fault (flagged above): the host raises it
+    // absent only after a fault (flagged above), or in a call that asked nothing, for a failed
+    // read's slot freed since it looked (that read's error is flagged): the host raises either
+    if (s < 0) s = 0;
     slots[t] = uint32_t(s);
     mf_st_relaxed(c + last + s, tick);
   }

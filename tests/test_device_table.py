@@ -58,8 +58,11 @@ def reference_resolve(control, staging, layer, indices, raw, layout, wait_s, aft
         control.requests[i] = seq
         _wait_answer(control, i, seq)
         time.sleep(ANSWER_LAG_S)
-    slots = t.slot_of[inds].copy()
-    assert (slots >= 0).all()
+    slots = t.slot_of[inds].copy()  # read again, as the kernel does
+    # an answer's slots stay until the call ends; a call that asked nothing may find a failed
+    # read's slot freed since it looked (the kernel takes slot 0: that pass raises)
+    assert (slots >= 0).all() or (not seq and control.globals[cb.G_ERRORS])
+    slots = np.maximum(slots, 0)
     t.last_used[slots] = tick
     if seq:
         n, poison = int(t.header[cb.H_NCOPY]), bool(t.header[cb.H_ERR])
@@ -589,9 +592,8 @@ def test_a_pass_token_s_request_admits_the_next_tokens_experts_that_fit(tiny_sto
 
 def test_a_failed_read_frees_the_later_tokens_experts_at_once(tiny_store, tiny_checkpoints):
     """A pass's request that admitted the next token's experts too, and whose reads failed: the
-    call's own poisoned slots are freed once the GPU is past it and no later call of the layer
-    is in flight (one could have found them), the next token's at once (it must ask for them
-    again, not compute on poisoned slots)."""
+    call's own poisoned slots are freed once the GPU is past it, the next token's at once (it
+    must ask for them again, not compute on poisoned slots)."""
     store, layout = tiny_store
     server = _server(store, layout, n_slots=4)
     c, layer, t, _ = _first_layer(server, layout, rows=4)
@@ -602,7 +604,6 @@ def test_a_failed_read_frees_the_later_tokens_experts_at_once(tiny_store, tiny_c
             reference_hint(
                 c, None, layer, mx.array(np.array([5, 6], np.uint32)), mx.array([5, 6, 0, 9]), 5.0
             )
-            c.expected[t.index] += 1
             t.request[:2] = [5, 6]
             t.header[cb.H_NREQ] = 2
             seq = int(c.answers[t.index]) + 1
@@ -611,11 +612,7 @@ def test_a_failed_read_frees_the_later_tokens_experts_at_once(tiny_store, tiny_c
         assert t.header[cb.H_ERR] and int(t.header[cb.H_NCOPY]) == 3  # 5, 6 and 9 poisoned
         assert t.slot_of[9] < 0  # the next token's: freed at once
         assert t.slot_of[5] >= 0 and t.slot_of[6] >= 0  # this call's: it still reads them
-        c.expected[t.index] += 1  # the next token's call, enqueued
-        c.ticks[t.index] += 1  # the GPU is past the failed call, not the next
-        time.sleep(0.2)
-        assert t.slot_of[5] >= 0 and t.slot_of[6] >= 0 and c.globals[cb.G_PENDING_RELEASE] == 1
-        c.ticks[t.index] += 1
+        c.ticks[t.index] += 1  # the GPU is past the call
         _until(lambda: t.slot_of[5] < 0 and t.slot_of[6] < 0)
         assert c.globals[cb.G_PENDING_RELEASE] == 0
         assert t.slot_of[0] >= 0  # resident before, untouched

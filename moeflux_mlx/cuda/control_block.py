@@ -25,8 +25,8 @@ the server keeps its own and takes the later of the two); the model's process wr
 
 When the server may change a layer's table (``slot_of``): only while no GPU call of the layer
 can be reading it. That is while the GPU waits for the server's answer to the layer's request,
-on a host request (synced calls: none in flight), or, freeing the slots of a failed read, while
-the layer has no call in flight (``ticks == expected``).
+on a host request (synced calls: none in flight), or, freeing the slots of a failed read, once
+the call it last answered has ended (a call that asked nothing read its slots before).
 """
 
 from __future__ import annotations

@@ -164,6 +164,9 @@ class Server:
         self.staging: Dict[int, np.ndarray] = {}  # blob size -> [rows, blob size]
         self._mappings: List[SharedMapping] = []
         self.releases: List[Tuple[int, int, np.ndarray]] = []  # (index, GPU call, experts)
+        # per table layer, the GPU call the server last answered: until it ends, it may still
+        # read the slots its answer gave it
+        self.answered = np.zeros(len(self.control.order), np.int64)
         self.alive = True
         # whole-expert reads of hinted experts, beside the store's demand reads (threads start
         # on the first hint)
@@ -275,6 +278,7 @@ class Server:
         experts = np.unique(t.request[:n_request])
         tick = c.clock(i) + 1  # the waiting call's tick; the GPU counts the call when done
         call = int(c.ticks[i]) + 1  # the waiting call: the layer's GPU calls end in order
+        self.answered[i] = call
         hint = self.hinted.get(i)
         last = -1 if hint is None else hint.last_call(n_request)
         if call > last:
@@ -363,15 +367,16 @@ class Server:
 
     def release_failed(self, answering: int = -1) -> None:
         """Free the slots of failed reads once the GPU has finished the call that got them, and
-        only while no call of their layer can be looking them up: in the answer to the layer's
-        next request (``answering``: the GPU waits there, and asks for every expert of its call,
-        so it reads again what it found poisoned) or while the layer has no call in flight. A
-        slot freed under a running call would read as absent once its answer came."""
-        c = self.control
+        only while no answered call of their layer is still reading its slots: a slot freed
+        between a call's answer and its reading the table reads as absent. In the answer to the
+        layer's next request (``answering``) they go first: the GPU waits there and asks for
+        every expert of its call, so it is given again what it found poisoned. A call that
+        asked nothing read its slots before any release: it computes on what it found."""
+        ticks = self.control.ticks
         keep = []
         for i, call, experts in self.releases:
-            quiet = i == answering or c.ticks[i] == c.expected[i]
-            if quiet and int(c.ticks[i]) >= call:
+            quiet = i == answering or ticks[i] >= self.answered[i]
+            if quiet and int(ticks[i]) >= call:
                 self.policies[self.control.order[i]].release(experts)
                 self.control.globals[G_PENDING_RELEASE] -= 1
             else:
