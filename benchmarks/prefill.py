@@ -16,13 +16,16 @@ host sync per layer and call, the path before whole-layer reads); ``--read-ahead
 ``--threads 8,16`` run whole-layer reads with and without the next layer read in the background,
 and with that many read threads; ``--dma on,off`` with the layers copied to the GPU by its copy
 engines or by a kernel; ``--warm-slots on,off`` with and without each layer's slots refilled
-from the prompt's most-routed experts. Writes
+from the prompt's most-routed experts; ``--prefetch on,off`` (with a routing trace, and
+``--trace-predictor ridge``) with and without the steps after the prompt (its last token, then
+the first generated) reading the next layer's predicted experts ahead. Writes
 ``DATE-MACHINE-prefill.{md,json}`` to ``--out`` (never overwriting).
 """
 
 import argparse
 import datetime
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -39,13 +42,14 @@ from mlx_lm.generate import generate_step  # noqa: E402
 import moeflux_mlx  # noqa: E402
 from moeflux_mlx.benchmark.pagecache import drop_page_cache, expert_files  # noqa: E402
 from moeflux_mlx.benchmark.report import free_stem, machine_name, machine_tag  # noqa: E402
-from moeflux_mlx.benchmark.trace_routing import drive_routing, load_trace  # noqa: E402
 from moeflux_mlx.commands.bench import (  # noqa: E402
     _budget_list,
     _io_list,
+    _replayed_routing,
     add_model_args,
     benchmark_model,
 )
+from moeflux_mlx.errors import MoefluxError  # noqa: E402
 from moeflux_mlx.format.checkpoint import expert_layout  # noqa: E402
 from moeflux_mlx.options import DEFAULT_THREADS  # noqa: E402
 
@@ -100,16 +104,36 @@ class ReadLog:
         return time.perf_counter() - t0
 
 
+# the per-model switches, as (argument, load option's variable, name when on, name when off);
+# each runs side by side only where layers are read whole, except prefetch (the steps after)
+SWITCHES = (
+    ("read_ahead", "MOEFLUX_PREFILL_READ_AHEAD", "ahead", "no ahead"),
+    ("dma", "MOEFLUX_PREFILL_DMA", "copy engines", "copy kernel"),
+    ("warm_slots", "MOEFLUX_PREFILL_WARM_SLOTS", "warm slots", "cold slots"),
+)
+
+
 def _variants(args):
-    """(prefill_whole_layer, read ahead, copy engines, warm slots, threads) of each moeflux
-    configuration: read-ahead, copy-engine and warm-slot variants only where layers are read
-    whole."""
+    """(prefill_whole_layer, {switch: on}, prefetch, threads) of each moeflux configuration:
+    the whole-layer switches varied only where layers are read whole."""
     for whole in args.prefill_whole_layer:
-        for ahead in args.read_ahead if whole else args.read_ahead[:1]:
-            for dma in args.dma if whole else args.dma[:1]:
-                for warm in args.warm_slots if whole else args.warm_slots[:1]:
-                    for threads in args.threads:
-                        yield whole, ahead, dma, warm, threads
+        values = [getattr(args, a) if whole else getattr(args, a)[:1] for a, *_ in SWITCHES]
+        for ons in itertools.product(*values):
+            for prefetch in args.prefetch:
+                for threads in args.threads:
+                    yield whole, dict(zip((a for a, *_ in SWITCHES), ons)), prefetch, threads
+
+
+def _variant_name(args, io_mode, frac, whole, switches, prefetch, threads) -> str:
+    name = f"moeflux {io_mode} {frac:.0%} whole={whole:g}"
+    for arg, _, on, off in SWITCHES:
+        if whole and len(getattr(args, arg)) > 1:
+            name += f" {on if switches[arg] else off}"
+    if len(args.prefetch) > 1:
+        name += " prefetch" if prefetch else " no prefetch"
+    if len(args.threads) > 1:
+        name += f" {threads} threads"
+    return name
 
 
 def _switches(text: str):
@@ -121,44 +145,38 @@ def _ints(text: str):
 
 
 def run(args) -> dict:
+    prepare = _replayed_routing(args.routing_trace, args.prefetch, args.trace_predictor)
     path, stock_path = build_model(args)
     total = expert_layout(path).total_expert_bytes
     files = expert_files(path)
-    trace = load_trace(args.routing_trace) if args.routing_trace else None
     mx.random.seed(args.seed)
     prompt = mx.random.randint(0, 256, (args.prompt_tokens,)).astype(mx.uint32)
     models = {"stock mlx-lm": mlx_lm.load(str(stock_path))[0]}
     logs = {}
     for io in args.io:
         for frac in args.budgets:
-            for whole, ahead, dma, warm, threads in _variants(args):
+            for whole, switches, prefetch, threads in _variants(args):
                 budget = "all" if frac >= 1 else int(frac * total)
                 # the caches read these options when they are made (LoadOptions)
                 os.environ["MOEFLUX_PREFILL_WHOLE_LAYER"] = f"{whole:g}"
-                os.environ["MOEFLUX_PREFILL_READ_AHEAD"] = "on" if ahead else "off"
-                os.environ["MOEFLUX_PREFILL_DMA"] = "on" if dma else "off"
-                os.environ["MOEFLUX_PREFILL_WARM_SLOTS"] = "on" if warm else "off"
+                for arg, var, _, _ in SWITCHES:
+                    os.environ[var] = "on" if switches[arg] else "off"
                 m, _ = moeflux_mlx.load(
                     path,
                     expert_io=io,
                     cache_budget=budget,
                     backend=args.bench_backend,
                     threads=threads,
+                    prefetch=prefetch,
                 )
-                name = f"moeflux {m.moeflux.store.io_mode} {frac:.0%} whole={whole:g}"
-                if whole and len(args.read_ahead) > 1:
-                    name += " ahead" if ahead else " no ahead"
-                if whole and len(args.dma) > 1:
-                    name += " copy engines" if dma else " copy kernel"
-                if whole and len(args.warm_slots) > 1:
-                    name += " warm slots" if warm else " cold slots"
-                if len(args.threads) > 1:
-                    name += f" {threads} threads"
+                name = _variant_name(
+                    args, m.moeflux.store.io_mode, frac, whole, switches, prefetch, threads
+                )
                 models[name] = m
                 logs[name] = ReadLog(m.moeflux.store)
-    if trace is not None:
+    if prepare is not None:
         for m in models.values():
-            drive_routing(m, trace, args.routing_trace)
+            prepare(m)
     warm_page_cache(files)
     for m in models.values():
         first_token(m, prompt)  # warm-up: kernels of these shapes, allocator
@@ -176,9 +194,19 @@ def run(args) -> dict:
             r["s"].append(s)
             r["tokens"].append(tok)
             if rt is not None:
+                rt.stats_dict()  # counts what the miss server read for the steps after
                 t = rt.stats.total()
                 r["bytes"].append(t.bytes_read)
-                r["stats"].append({"io_s": t.io_s, "upload_s": t.upload_s, "sync_s": t.sync_s})
+                r["stats"].append(
+                    {
+                        "io_s": t.io_s,
+                        "upload_s": t.upload_s,
+                        "sync_s": t.sync_s,
+                        "missed": t.experts_missed,
+                        "prefetch_issued": t.prefetch_issued,
+                        "prefetch_hits": t.prefetch_hits,
+                    }
+                )
                 r["read_s"].append(logs[name].replay_s(files, args.cold))
     stock = rows.pop("stock mlx-lm")
     out_rows = [
@@ -202,6 +230,9 @@ def run(args) -> dict:
                 "io_s": statistics.median(x["io_s"] for x in r["stats"]),
                 "upload_s": statistics.median(x["upload_s"] for x in r["stats"]),
                 "sync_s": statistics.median(x["sync_s"] for x in r["stats"]),
+                "missed": statistics.median(x["missed"] for x in r["stats"]),
+                "prefetch_issued": statistics.median(x["prefetch_issued"] for x in r["stats"]),
+                "prefetch_hits": statistics.median(x["prefetch_hits"] for x in r["stats"]),
                 "token_as_stock": r["tokens"] == stock["tokens"],
             }
         )
@@ -228,17 +259,18 @@ def run(args) -> dict:
 def format_table(result: dict) -> str:
     head = (
         "| config | s to first token | x stock | MB read | read s | overhead beyond reads s "
-        "| io s | upload s | sync s | token = stock |"
+        "| io s | upload s | sync s | missed | read ahead (used) | token = stock |"
     )
-    lines = [head, "|" + " --- |" * 10]
+    lines = [head, "|" + " --- |" * 12]
     for r in result["rows"]:
         if "ratio_to_stock" not in r:
-            lines.append(f"| {r['config']} | {r['seconds']:.2f} | 1.00 |" + " - |" * 7)
+            lines.append(f"| {r['config']} | {r['seconds']:.2f} | 1.00 |" + " - |" * 9)
             continue
         lines.append(
             f"| {r['config']} | {r['seconds']:.2f} | {r['ratio_to_stock']:.2f} "
             f"| {r['mb_read']:.0f} | {r['read_s']:.3f} | {r['overhead_beyond_reads_s']:+.2f} "
             f"| {r['io_s']:.3f} | {r['upload_s']:.3f} | {r['sync_s']:.2f} "
+            f"| {r['missed']:.0f} | {r['prefetch_issued']:.0f} ({r['prefetch_hits']:.0f}) "
             f"| {'yes' if r['token_as_stock'] else 'NO'} |"
         )
     return "\n".join(lines)
@@ -260,7 +292,9 @@ def write(result: dict, out: Path, stem: str) -> list:
                 f"median of {result['repeats']} alternating rounds.",
                 "read s: the same reads through the store alone; overhead beyond reads: "
                 "moeflux - stock - read s (per round, median). sync s includes the device's "
-                "computation before each layer's router indices.",
+                "computation before each layer's router indices. missed: experts not resident "
+                "when a call asked (the steps after the prompt, mostly); read ahead (used): "
+                "experts prefetch read, and of those the ones a miss then took.",
                 "",
                 format_table(result),
                 "",
@@ -307,6 +341,20 @@ def main(argv=None) -> int:
         "left as they were (the load option prefill_warm_slots; default off, as the option's)",
     )
     p.add_argument(
+        "--prefetch",
+        type=_switches,
+        default=[False],
+        help="on,off: the steps after the prompt read ahead what the next layer is predicted "
+        "to route to (the load option prefetch; with --routing-trace, also --trace-predictor)",
+    )
+    p.add_argument(
+        "--trace-predictor",
+        choices=["gate", "ridge"],
+        default=None,
+        help="with --routing-trace: replay from where the trace's predictions start and hand "
+        "prefetch what this predictor predicted there",
+    )
+    p.add_argument(
         "--threads",
         type=_ints,
         default=[DEFAULT_THREADS],
@@ -319,7 +367,11 @@ def main(argv=None) -> int:
     p.add_argument("--machine", default=None, help="machine label for the results file name")
     p.add_argument("--out", type=Path, default=Path("moeflux-bench-results"))
     args = p.parse_args(argv)
-    result = run(args)
+    try:
+        result = run(args)
+    except (MoefluxError, OSError) as e:
+        print(f"prefill.py: error: {e}", file=sys.stderr)
+        return 2
     print(format_table(result))
     machine = args.machine or machine_tag(result["machine"])
     for f in write(result, args.out, f"{datetime.date.today()}-{machine}-prefill"):

@@ -318,15 +318,43 @@ def test_cli_convert_streams_from_the_packed_copy_and_runs_stock_from_the_origin
     assert result["runs"][0]["name"] == "stock mlx-lm"
 
 
-# --------------------------------------------------------------------------- benchmarks/kernels.py
+# --------------------------------------------------------------------------- benchmarks/*.py
 
 
-def _kernels_benchmark():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels.py"
-    spec = importlib.util.spec_from_file_location("kernels_benchmark", path)
+def _benchmark_script(name):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _kernels_benchmark():
+    return _benchmark_script("kernels")
+
+
+def test_prefill_benchmark_variants():
+    """The prefill benchmark's configurations: the whole-layer switches are varied only where
+    layers are read whole, prefetch and threads everywhere, and each name says what varies."""
+    pf = _benchmark_script("prefill")
+    p = argparse.Namespace(
+        prefill_whole_layer=[4.0, 0.0],
+        read_ahead=[True, False],
+        dma=[False],
+        warm_slots=[False],
+        prefetch=[True, False],
+        threads=[8],
+    )
+    runs = list(pf._variants(p))
+    assert len(runs) == 2 * 2 + 2  # whole: ahead x prefetch; synced: prefetch only
+    names = {pf._variant_name(p, "pread", 0.25, *r) for r in runs}
+    assert len(names) == len(runs)
+    assert "moeflux pread 25% whole=4 no ahead prefetch" in names
+    assert "moeflux pread 25% whole=0 no prefetch" in names
+    with pytest.raises(
+        bench_cmd.UsageError, match="--trace-predictor"
+    ):  # prefetch from replaced routers
+        pf._replayed_routing(Path("t.npz"), [True, False], None)
 
 
 def test_kernels_benchmark_mxfp4_smoke(tmp_path, monkeypatch):
