@@ -140,10 +140,13 @@ if part spec; then  # prompt lookup on the demo model, 25% cold and all resident
   echo "speculation:"; grep -E "^\|" "$OUT/spec.txt" | tail -10
 fi
 if part prefill; then  # a 512-token prompt at 25%, warm page cache, against stock
+  # PREFILL_VARIANTS, e.g. "--prefill-whole-layer 4 --prefetch on,off --trace-predictor ridge":
+  # the steps after the prompt reading the next layer ahead, or not
+  # shellcheck disable=SC2086
   timeout 420 python3 benchmarks/prefill.py --arch qwen3_moe --size full --layers 8 \
     --set num_experts=64 --build-dir /tmp/bench-models --convert --io pread --routing-trace "$TRACE" \
-    --prompt-tokens 512 --budgets 0.25 --prefill-whole-layer 4,0 --read-ahead on,off --repeats 5 --out "$OUT/prefill" \
-    > "$OUT/prefill.txt" 2>&1
+    --prompt-tokens 512 --budgets 0.25 ${PREFILL_VARIANTS:---prefill-whole-layer 4,0 --read-ahead on,off} \
+    --repeats 5 --out "$OUT/prefill" > "$OUT/prefill.txt" 2>&1
   echo "prefill:"; grep -E "^\|" "$OUT/prefill.txt" | tail -8
 fi
 if part dist; then  # two ranks on the one GPU: the ring backend, then NCCL
