@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from ..compute.kernel_source import load_source
 from ..format.layout import ExpertLayout
-from .runtime import table_available
+from . import runtime
 
 # blocks of THREADS threads: a few of an H100's 132 SMs. 0: MLX's copy kernel (every SM), kept
 # for benchmarks/probes/prefill_timeline_probe.py to compare against.
@@ -29,7 +29,7 @@ DEPTH = 4  # 16-byte loads in flight per thread
 
 def copier() -> Optional[Callable[[mx.array, ExpertLayout], Optional[Dict[str, mx.array]]]]:
     """``copy_layer`` where its kernel can run (MLX's CUDA backend on the GPU), else None."""
-    return copy_layer if table_available() else None
+    return copy_layer if runtime.table_available() else None
 
 
 def copy_layer(staged: mx.array, layout: ExpertLayout) -> Optional[Dict[str, mx.array]]:
