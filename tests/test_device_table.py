@@ -8,6 +8,7 @@ path sharing the table during prefill."""
 import contextlib
 import ctypes
 import os
+import threading
 import time
 
 import mlx.core as mx
@@ -38,7 +39,7 @@ def _wait_answer(control, i, seq, timeout=10):
         time.sleep(1e-4)
 
 
-ANSWER_LAG_S = 0.0  # how long the stand-in takes to read its slots after the server's answer
+ANSWER_LAG_S = 0.0  # how long the stand-in takes to read its slots again after looking (and asking)
 
 
 def reference_resolve(control, staging, layer, indices, raw, layout, wait_s, after=None):
@@ -57,13 +58,14 @@ def reference_resolve(control, staging, layer, indices, raw, layout, wait_s, aft
         seq = int(control.answers[i]) + 1
         control.requests[i] = seq
         _wait_answer(control, i, seq)
-        time.sleep(ANSWER_LAG_S)
+    time.sleep(ANSWER_LAG_S)
     slots = t.slot_of[inds].copy()  # read again, as the kernel does
     # an answer's slots stay until the call ends; a call that asked nothing may find a failed
     # read's slot freed since it looked (the kernel takes slot 0: that pass raises)
     assert (slots >= 0).all() or (not seq and control.globals[cb.G_ERRORS])
     slots = np.maximum(slots, 0)
     t.last_used[slots] = tick
+    control.ticks[i] = calls  # the end of resolve; fill, a kernel of its own, runs after
     if seq:
         n, poison = int(t.header[cb.H_NCOPY]), bool(t.header[cb.H_ERR])
         rows = staging.array.reshape(-1, layout.blob_size)
@@ -71,7 +73,6 @@ def reference_resolve(control, staging, layer, indices, raw, layout, wait_s, aft
             for c in layout.components:
                 dst = host_view(raw[c.name])[t.copy_dst[k]]
                 dst[:] = 0xFF if poison else rows[t.copy_src[k], c.offset : c.offset + c.nbytes]
-    control.ticks[i] = calls
     return mx.array(slots.astype(np.uint32)).reshape(indices.shape)
 
 
@@ -448,7 +449,7 @@ def tiny_store(tiny_checkpoints):
     store.close()
 
 
-def _server(store, layout, n_slots=4, read_ahead=False):
+def _server(store, layout, n_slots=4, read_ahead=False, poll_us=None):
     control = cb.ControlBlock(
         {i: (lay.num_experts, n_slots) for i, lay in layout.layers.items()}, allocate=PinnedBuffer
     )
@@ -457,8 +458,8 @@ def _server(store, layout, n_slots=4, read_ahead=False):
         control,
         store,
         o.wait_timeout_s,
-        o.server_poll_us,
-        o.server_poll_max_us,
+        poll_us or o.server_poll_us,
+        poll_us or o.server_poll_max_us,
         read_ahead=read_ahead,
     )
 
@@ -613,9 +614,60 @@ def test_a_failed_read_frees_the_later_tokens_experts_at_once(tiny_store, tiny_c
         assert t.slot_of[9] < 0  # the next token's: freed at once
         assert t.slot_of[5] >= 0 and t.slot_of[6] >= 0  # this call's: it still reads them
         c.ticks[t.index] += 1  # the GPU is past the call
-        _until(lambda: t.slot_of[5] < 0 and t.slot_of[6] < 0)
-        assert c.globals[cb.G_PENDING_RELEASE] == 0
+        _until(lambda: c.globals[cb.G_PENDING_RELEASE] == 0)  # counted down once freed
+        assert t.slot_of[5] < 0 and t.slot_of[6] < 0
         assert t.slot_of[0] >= 0  # resident before, untouched
+    finally:
+        server.close()
+
+
+def _failed_gpu_request(control, layer, experts, path):
+    """A GPU call of ``experts`` whose reads fail (``path`` emptied), answered; not yet ended."""
+    t = control.layers[layer]
+    with _emptied(path):
+        control.expected[t.index] += 1
+        t.request[: len(experts)] = experts
+        t.header[cb.H_NREQ] = len(experts)
+        seq = int(control.answers[t.index]) + 1
+        control.requests[t.index] = seq
+        _wait_answer(control, t.index, seq)
+    assert t.header[cb.H_ERR] and control.globals[cb.G_PENDING_RELEASE] == 1
+
+
+def test_a_synced_admit_after_a_failed_call_reads_its_experts_again(tiny_store, tiny_checkpoints):
+    """The GPU is past a call whose reads failed, and the host, synced, admits the same experts
+    before the server's loop has freed their poisoned slots (it polls seldom): the admit frees
+    them first and reads them, instead of counting them resident."""
+    store, layout = tiny_store
+    server = _server(store, layout, poll_us=200_000)
+    c, layer, t, _ = _first_layer(server, layout, rows=4)
+    path = tiny_checkpoints["qwen3_moe"][1] / "packed_experts" / f"layer_{layer:02d}.bin"
+    try:
+        _failed_gpu_request(c, layer, [5, 6], path)
+        c.ticks[t.index] += 1  # the call ends; the host syncs and admits the same experts
+        missing, victims = server.host_request(layer, cb.HOST_ADMIT, np.array([5, 6]))
+        assert sorted(missing.tolist()) == [5, 6] and (t.slot_of[[5, 6]] >= 0).all()
+        assert c.globals[cb.G_PENDING_RELEASE] == 0
+    finally:
+        server.close()
+
+
+def test_check_raises_a_failed_read_once_its_slots_are_freed(tiny_store, tiny_checkpoints):
+    """``check`` while the failed call still runs (on CUDA the next pass is built meanwhile;
+    here longer than the 2 s it once waited at most): it raises only once the call has ended
+    and its poisoned slots are freed, so that a retry finds none of them."""
+    store, layout = tiny_store
+    server = _server(store, layout)
+    c, layer, t, _ = _first_layer(server, layout, rows=4)
+    path = tiny_checkpoints["qwen3_moe"][1] / "packed_experts" / f"layer_{layer:02d}.bin"
+    try:
+        _failed_gpu_request(c, layer, [5, 6], path)
+        ends = threading.Timer(2.5, lambda: c.ticks.__setitem__(t.index, c.ticks[t.index] + 1))
+        ends.start()
+        with pytest.raises(ExpertReadError, match=f"layer_{layer:02d}.bin"):
+            server.check()
+        assert (t.slot_of[[5, 6]] < 0).all() and c.globals[cb.G_PENDING_RELEASE] == 0
+        ends.join()
     finally:
         server.close()
 

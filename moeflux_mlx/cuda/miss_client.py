@@ -208,8 +208,11 @@ class MissServer:
         errors = int(c.globals[G_ERRORS])
         if errors != self._errors_seen:
             self._errors_seen = errors
-            deadline = time.monotonic() + 2.0  # the server frees the failed slots right away
+            # the server frees the failed reads' slots once the GPU is past the calls that may
+            # read them; raised after, so that a retry finds none of them poisoned
+            deadline = time.monotonic() + HOST_WAIT_S
             while c.globals[G_PENDING_RELEASE] and time.monotonic() < deadline:
+                self._check_alive()
                 time.sleep(1e-4)
             raise ExpertReadError(c.get_message())
         self._check_alive()

@@ -323,7 +323,6 @@ class Server:
                 if str(e).startswith(("layer", "/"))
                 else f"layer {layer}: reading experts {missing.tolist()} failed: {e}"
             )
-            c.globals[G_ERRORS] += 1
             # the call's own experts are released once the GPU is past it (it reads their
             # poisoned slots); those admitted for a pass's later tokens at once, so that those
             # tokens ask again instead of finding poisoned slots (nothing reads them before)
@@ -332,6 +331,8 @@ class Server:
             if mine.any():
                 c.globals[G_PENDING_RELEASE] += 1
                 self.releases.append((i, int(c.ticks[i]) + 1, missing[mine]))
+            # counted last: the model process, seeing it, waits for the release counted above
+            c.globals[G_ERRORS] += 1
         finally:
             policy.assign(missing, victims, tick)
             if early.size:
@@ -347,6 +348,10 @@ class Server:
         c = self.control
         _, t, policy = self._layer(i)
         seq = int(c.host_requests[i])
+        if self.releases and t.header[H_HOST_KIND] != HOST_OBSERVE:
+            # synced (no call of the layer in flight): a failed read's slots go before the
+            # request could count them resident
+            self.release_failed(i)
         experts = np.array(t.host_request[: int(t.header[H_HOST_N])], np.int64)
         missing = experts[:0]
         if t.header[H_HOST_KIND] == HOST_ADMIT:
@@ -369,9 +374,10 @@ class Server:
         """Free the slots of failed reads once the GPU has finished the call that got them, and
         only while no answered call of their layer is still reading its slots: a slot freed
         between a call's answer and its reading the table reads as absent. In the answer to the
-        layer's next request (``answering``) they go first: the GPU waits there and asks for
-        every expert of its call, so it is given again what it found poisoned. A call that
-        asked nothing read its slots before any release: it computes on what it found."""
+        layer's next request (``answering``: a GPU request, or a synced host admit or release)
+        they go first: the GPU waits there and asks for every expert of its call, so it is
+        given again what it found poisoned. A call that asked nothing may find one freed since
+        it looked (the kernel takes slot 0; the read's error is raised for that pass)."""
         ticks = self.control.ticks
         keep = []
         for i, call, experts in self.releases:
@@ -396,14 +402,14 @@ class Server:
             if (c.hints != self.hints_seen).any():
                 self.take_hints()
                 worked = True
+            if self.releases:
+                self.release_failed()
             for i in c.host_pending():
                 self.answer_host(int(i))
                 worked = True
             for i in gpu_pending:
                 self.answer_gpu(int(i))
                 worked = True
-            if self.releases:
-                self.release_failed()
             if worked:
                 poll_s = self.poll_s
                 continue

@@ -127,7 +127,8 @@ class TableCache(BudgetCache):
         # admission below and read them before its writes: let it finish first. (Calls built
         # but not submitted run after the writes, which are in place: see write_cuda.cuh.)
         # None since the last wait: nothing to wait for (a prefill's computation runs on).
-        if self._enqueued:
+        # (A call built before that wait and submitted after it is in flight, unflagged.)
+        if self._enqueued or self.control.in_flight():
             self.synchronize()
         # a fully cached table layer (every_layer) is filled whole, like a resident layer
         num = self.store.layout(layer).num_experts
