@@ -5,6 +5,7 @@ import contextlib
 import errno
 import itertools
 import os
+import threading
 
 import mlx.core as mx
 import mlx_lm
@@ -322,8 +323,6 @@ def test_no_read_ahead_beyond_the_memory_share(tiny, monkeypatch):
 def test_interrupt_while_a_read_ahead_runs(tiny, monkeypatch, writes):
     """An interrupt (Ctrl-C) while the prefill waits for a read ahead that is still running leaves
     that read tracked: the next prefill waits for it before reusing its buffer, and is exact."""
-    import time as _time
-
     from moeflux_mlx.cache import whole_layer
 
     packed, prompt, want_logits, want_tokens = tiny
@@ -345,10 +344,12 @@ def test_interrupt_while_a_read_ahead_runs(tiny, monkeypatch, writes):
         future.result = result
 
     real_fill = whole_layer._fill
+    second = sorted(model.moeflux.layout.layers)[1]  # the first layer read ahead
+    looked = threading.Event()
 
     def slow_fill(store, read, copies):
-        if not interrupted:
-            _time.sleep(0.5)
+        if read.layer == second and not looked.is_set():
+            looked.wait(60)  # still running when the test looks, however slow the machine
         real_fill(store, read, copies)
 
     monkeypatch.setattr(whole_layer, "_fill", slow_fill)
@@ -365,6 +366,7 @@ def test_interrupt_while_a_read_ahead_runs(tiny, monkeypatch, writes):
             _prefill_logits(model, prompt)
         ahead = rt.cache.whole_reads._ahead
         assert interrupted and ahead is not None and not ahead.future.done()  # still tracked
+        looked.set()
         assert mx.array_equal(_prefill_logits(model, prompt), want_logits).item()
         assert _greedy(model, prompt) == want_tokens
 
