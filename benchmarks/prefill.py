@@ -116,12 +116,13 @@ SWITCHES = (
 def _variants(args):
     """(prefill_whole_layer, {switch: on}, prefetch, threads) of each moeflux configuration:
     the whole-layer switches varied only where layers are read whole."""
+    names = [arg for arg, *_ in SWITCHES]
     for whole in args.prefill_whole_layer:
-        values = [getattr(args, a) if whole else getattr(args, a)[:1] for a, *_ in SWITCHES]
+        values = [getattr(args, a) if whole else getattr(args, a)[:1] for a in names]
         for ons in itertools.product(*values):
             for prefetch in args.prefetch:
                 for threads in args.threads:
-                    yield whole, dict(zip((a for a, *_ in SWITCHES), ons)), prefetch, threads
+                    yield whole, dict(zip(names, ons)), prefetch, threads
 
 
 def _variant_name(args, io_mode, frac, whole, switches, prefetch, threads) -> str:

@@ -329,10 +329,6 @@ def _benchmark_script(name):
     return module
 
 
-def _kernels_benchmark():
-    return _benchmark_script("kernels")
-
-
 def test_prefill_benchmark_variants():
     """The prefill benchmark's configurations: the whole-layer switches are varied only where
     layers are read whole, prefetch and threads everywhere, and each name says what varies."""
@@ -351,9 +347,8 @@ def test_prefill_benchmark_variants():
     assert len(names) == len(runs)
     assert "moeflux pread 25% whole=4 no ahead prefetch" in names
     assert "moeflux pread 25% whole=0 no prefetch" in names
-    with pytest.raises(
-        bench_cmd.UsageError, match="--trace-predictor"
-    ):  # prefetch from replaced routers
+    # prefetch would predict from the routers a trace replaces
+    with pytest.raises(bench_cmd.UsageError, match="--trace-predictor"):
         pf._replayed_routing(Path("t.npz"), [True, False], None)
 
 
@@ -361,7 +356,7 @@ def test_kernels_benchmark_mxfp4_smoke(tmp_path, monkeypatch):
     """--smoke runs the mxfp4 comparison anywhere (the CPU too: the fused kernels are skipped
     with a note) and writes its row; a shape the fused kernels refuse is reported, with the
     proxy shape their figure would come from, not launched."""
-    kb = _kernels_benchmark()
+    kb = _benchmark_script("kernels")
     # gpt-oss-120b / 5: 18 16-byte chunks a row in 4-bit, which no down launch shape divides
     monkeypatch.setitem(kb.MODELS, "tiny-gpt-oss", (576, 576, 4))
     kb.main(["--smoke", "--models", "tiny-gpt-oss", "--out", str(tmp_path), "--tag", "t"])

@@ -271,8 +271,7 @@ class Server:
     def answer_gpu(self, i: int) -> None:
         c = self.control
         layer, t, policy = self._layer(i)
-        if self.releases:
-            self.release_failed(i)
+        self.release_failed(i)
         seq = int(c.requests[i])
         n_request = int(t.header[H_NREQ])
         experts = np.unique(t.request[:n_request])
@@ -348,7 +347,7 @@ class Server:
         c = self.control
         _, t, policy = self._layer(i)
         seq = int(c.host_requests[i])
-        if self.releases and t.header[H_HOST_KIND] != HOST_OBSERVE:
+        if t.header[H_HOST_KIND] != HOST_OBSERVE:
             # synced (no call of the layer in flight): a failed read's slots go before the
             # request could count them resident
             self.release_failed(i)
@@ -378,6 +377,8 @@ class Server:
         they go first: the GPU waits there and asks for every expert of its call, so it is
         given again what it found poisoned. A call that asked nothing may find one freed since
         it looked (the kernel takes slot 0; the read's error is raised for that pass)."""
+        if not self.releases:
+            return
         ticks = self.control.ticks
         keep = []
         for i, call, experts in self.releases:
@@ -402,8 +403,7 @@ class Server:
             if (c.hints != self.hints_seen).any():
                 self.take_hints()
                 worked = True
-            if self.releases:
-                self.release_failed()
+            self.release_failed()
             for i in c.host_pending():
                 self.answer_host(int(i))
                 worked = True
