@@ -8,8 +8,9 @@ at small cache budgets, with the bytes the prefill read and what reading them al
 Every model is loaded at once and prefills in turn, ``--repeats`` rounds (medians: VMs are
 noisy). Warm runs read the expert files once first; ``--cold`` drops them from the page cache
 before every moeflux prefill. Per configuration: seconds to the first token (the prompt's forward
-pass and its evaluation, as ``mlx_lm.generate_step`` does it), the ratio to stock, the bytes
-read, the pure read time of those very reads (replayed through the store alone, same I/O mode
+pass and its evaluation, as ``mlx_lm.generate_step`` does it, until the token is in hand) and
+to the device idle (adding the next token's step, which ``generate_step`` queues first), each
+with its ratio to stock; the bytes read, the pure read time of those very reads (replayed through the store alone, same I/O mode
 and page-cache state, right after the prefill), and the overhead beyond the reads: moeflux -
 stock - read time. ``--prefill-whole-layer 4,0`` runs the option's values side by side (0: one
 host sync per layer and call, the path before whole-layer reads); ``--read-ahead on,off`` and
@@ -18,7 +19,9 @@ and with that many read threads; ``--dma on,off`` with the layers copied to the 
 engines or by a kernel; ``--warm-slots on,off`` with and without each layer's slots refilled
 from the prompt's most-routed experts; ``--prefetch on,off`` (with a routing trace, and
 ``--trace-predictor ridge``) with and without the steps after the prompt (its last token, then
-the first generated) reading the next layer's predicted experts ahead. Writes
+the first generated) reading the next layer's predicted experts ahead. With ``--routing-trace``
+each round replays another window of the trace (every configuration the same one), so no
+round finds the previous round's last experts waiting in the slots. Writes
 ``DATE-MACHINE-prefill.{md,json}`` to ``--out`` (never overwriting).
 """
 
@@ -42,6 +45,7 @@ from mlx_lm.generate import generate_step  # noqa: E402
 import moeflux_mlx  # noqa: E402
 from moeflux_mlx.benchmark.pagecache import drop_page_cache, expert_files  # noqa: E402
 from moeflux_mlx.benchmark.report import free_stem, machine_name, machine_tag  # noqa: E402
+from moeflux_mlx.benchmark.trace_routing import load_trace, rewind_routing  # noqa: E402
 from moeflux_mlx.commands.bench import (  # noqa: E402
     _budget_list,
     _io_list,
@@ -49,6 +53,7 @@ from moeflux_mlx.commands.bench import (  # noqa: E402
     add_model_args,
     benchmark_model,
 )
+from moeflux_mlx.commands.common import UsageError  # noqa: E402
 from moeflux_mlx.errors import MoefluxError  # noqa: E402
 from moeflux_mlx.format.checkpoint import expert_layout  # noqa: E402
 from moeflux_mlx.options import DEFAULT_THREADS  # noqa: E402
@@ -73,13 +78,18 @@ def warm_page_cache(files) -> None:
 
 
 def first_token(model, prompt) -> tuple:
-    """Seconds to the first token (prefill of the prompt, then its last position) and the token."""
+    """(seconds until the first token is in hand, seconds until the device is idle, the token).
+
+    ``generate_step`` queues the next token's step before it waits for the first token, so the
+    first time is the prefill as a caller sees it (the prompt, then its last position) and the
+    second adds that queued step, the first of the decode."""
     mx.synchronize()
     t0 = time.perf_counter()
     tok, _ = next(generate_step(prompt, model, max_tokens=1))
     tok = int(tok)
+    t_token = time.perf_counter() - t0
     mx.synchronize()
-    return time.perf_counter() - t0, tok
+    return t_token, time.perf_counter() - t0, tok
 
 
 class ReadLog:
@@ -145,6 +155,29 @@ def _ints(text: str):
     return [int(v) for v in text.split(",")]
 
 
+def _round_shifts(args) -> list:
+    """Where in a replayed trace each round (the warm-up first) starts, past the replay's start.
+
+    Every model replays the same window in a round, so configurations compare on the same
+    routing; rounds take windows spread over the replayed part (the part the trace's
+    predictions cover, with ``--trace-predictor``), so no round's steps after the prompt find
+    the experts the round before left in the slots, and no round runs past the predictions.
+    """
+    rounds = args.repeats + 1
+    if args.routing_trace is None:
+        return [0] * rounds
+    trace = load_trace(args.routing_trace)
+    span = trace.routed.shape[0] - (trace.eval_from if args.trace_predictor else 0)
+    window = args.prompt_tokens + 2  # the prompt, then the first generated token's step
+    if span < window:
+        raise UsageError(
+            f"{args.routing_trace}: {span} replayable positions, fewer than the prompt's "
+            f"{args.prompt_tokens} and the two steps after it"
+        )
+    step = (span - window) // max(1, rounds - 1)
+    return [r * step for r in range(rounds)]
+
+
 def run(args) -> dict:
     prepare = _replayed_routing(args.routing_trace, args.prefetch, args.trace_predictor)
     path, stock_path = build_model(args)
@@ -175,24 +208,31 @@ def run(args) -> dict:
                 )
                 models[name] = m
                 logs[name] = ReadLog(m.moeflux.store)
+    shifts = _round_shifts(args)
     if prepare is not None:
         for m in models.values():
             prepare(m)
     warm_page_cache(files)
     for m in models.values():
+        rewind_routing(m, shifts[0])
         first_token(m, prompt)  # warm-up: kernels of these shapes, allocator
-    rows = {k: {"s": [], "tokens": [], "read_s": [], "bytes": [], "stats": []} for k in models}
-    for _ in range(args.repeats):
+    rows = {
+        k: {"s": [], "token_s": [], "tokens": [], "read_s": [], "bytes": [], "stats": []}
+        for k in models
+    }
+    for shift in shifts[1:]:
         for name, m in models.items():
+            rewind_routing(m, shift)
             rt = getattr(m, "moeflux", None)
             if rt is not None:
                 rt.reset_stats()
                 logs[name].calls.clear()
                 if args.cold:
                     drop_page_cache(files)
-            s, tok = first_token(m, prompt)
+            token_s, s, tok = first_token(m, prompt)
             r = rows[name]
             r["s"].append(s)
+            r["token_s"].append(token_s)
             r["tokens"].append(tok)
             if rt is not None:
                 rt.stats_dict()  # counts what the miss server read for the steps after
@@ -215,6 +255,8 @@ def run(args) -> dict:
             "config": "stock mlx-lm",
             "seconds": statistics.median(stock["s"]),
             "all_seconds": stock["s"],
+            "token_seconds": statistics.median(stock["token_s"]),
+            "all_token_seconds": stock["token_s"],
         }
     ]
     for name, r in rows.items():
@@ -225,6 +267,11 @@ def run(args) -> dict:
                 "seconds": statistics.median(r["s"]),
                 "all_seconds": r["s"],
                 "ratio_to_stock": statistics.median(m / s for m, s in zip(r["s"], stock["s"])),
+                "token_seconds": statistics.median(r["token_s"]),
+                "all_token_seconds": r["token_s"],
+                "token_ratio_to_stock": statistics.median(
+                    m / s for m, s in zip(r["token_s"], stock["token_s"])
+                ),
                 "mb_read": statistics.median(r["bytes"]) / 1e6,
                 "read_s": statistics.median(r["read_s"]),
                 "overhead_beyond_reads_s": statistics.median(overhead),
@@ -259,16 +306,21 @@ def run(args) -> dict:
 
 def format_table(result: dict) -> str:
     head = (
-        "| config | s to first token | x stock | MB read | read s | overhead beyond reads s "
-        "| io s | upload s | sync s | missed | read ahead (used) | token = stock |"
+        "| config | s to first token | x stock | s to idle | x stock | MB read | read s "
+        "| overhead beyond reads s | io s | upload s | sync s | missed | read ahead (used) "
+        "| token = stock |"
     )
-    lines = [head, "|" + " --- |" * 12]
+    lines = [head, "|" + " --- |" * 14]
     for r in result["rows"]:
         if "ratio_to_stock" not in r:
-            lines.append(f"| {r['config']} | {r['seconds']:.2f} | 1.00 |" + " - |" * 9)
+            lines.append(
+                f"| {r['config']} | {r['token_seconds']:.3f} | 1.00 | {r['seconds']:.3f} | 1.00 |"
+                + " - |" * 9
+            )
             continue
         lines.append(
-            f"| {r['config']} | {r['seconds']:.2f} | {r['ratio_to_stock']:.2f} "
+            f"| {r['config']} | {r['token_seconds']:.3f} | {r['token_ratio_to_stock']:.2f} "
+            f"| {r['seconds']:.3f} | {r['ratio_to_stock']:.2f} "
             f"| {r['mb_read']:.0f} | {r['read_s']:.3f} | {r['overhead_beyond_reads_s']:+.2f} "
             f"| {r['io_s']:.3f} | {r['upload_s']:.3f} | {r['sync_s']:.2f} "
             f"| {r['missed']:.0f} | {r['prefetch_issued']:.0f} ({r['prefetch_hits']:.0f}) "
@@ -291,11 +343,16 @@ def write(result: dict, out: Path, stem: str) -> list:
                 f"{result['prompt_tokens']}-token prompt, "
                 f"{'cold' if result['cold'] else 'warm'} page cache, "
                 f"median of {result['repeats']} alternating rounds.",
-                "read s: the same reads through the store alone; overhead beyond reads: "
-                "moeflux - stock - read s (per round, median). sync s includes the device's "
+                "s to first token: until the token is in hand, the prefill as a caller sees "
+                "it; s to idle: until the device is idle, which adds the next token's step that "
+                "mlx-lm queues before it waits for the first (the first decode step). "
+                "read s: the same reads (both steps') through the store alone; overhead beyond "
+                "reads: moeflux - stock - read s, to idle (per round, median). sync s includes the device's "
                 "computation before each layer's router indices. missed: experts not resident "
-                "when a call asked (the steps after the prompt, mostly); read ahead (used): "
-                "experts prefetch read, and of those the ones a miss then took.",
+                "when a call asked (a whole-layer call counts every expert its rows routed; the "
+                "rest are the steps after the prompt); read ahead (used): experts prefetch "
+                "read, and of those the ones a miss then took. With a routing trace, each round "
+                "replays another window of it, every configuration the same.",
                 "",
                 format_table(result),
                 "",

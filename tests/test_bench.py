@@ -7,10 +7,12 @@ import os
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.switch_layers import SwiGLU
 
 from moeflux_mlx.benchmark import decode, pagecache, report
+from moeflux_mlx.benchmark.routing import RoutingTrace
 from moeflux_mlx.commands import bench as bench_cmd
 from moeflux_mlx.compute import backend as B
 from moeflux_mlx.compute import kernels as K
@@ -350,6 +352,29 @@ def test_prefill_benchmark_variants():
     # prefetch would predict from the routers a trace replaces
     with pytest.raises(bench_cmd.UsageError, match="--trace-predictor"):
         pf._replayed_routing(Path("t.npz"), [True, False], None)
+
+
+def test_prefill_rounds_take_distinct_windows_within_the_replayed_trace(tmp_path):
+    """With a routing trace every round (the warm-up first) replays its own window, all inside
+    the part that is replayed (where the predictions are, with a predictor), so no round's
+    steps after the prompt find the previous round's experts in the slots; a trace shorter
+    than a prompt and its two steps is refused in one line."""
+    pf = _benchmark_script("prefill")
+    rng = np.random.default_rng(0)
+    routed = np.stack([rng.choice(16, (2, 4), replace=True) for _ in range(200)])
+    path = tmp_path / "t.npz"
+    RoutingTrace(routed, [0, 1], [16, 16], np.full(200, -1), eval_from=40).save(path)
+    args = argparse.Namespace(routing_trace=path, trace_predictor=None, prompt_tokens=20, repeats=4)
+    for predictor, span in ((None, 200), ("ridge", 160)):
+        args.trace_predictor = predictor
+        shifts = pf._round_shifts(args)
+        assert len(shifts) == 5 and shifts[0] == 0 and shifts[-1] + 22 <= span
+        assert all(b - a >= 22 for a, b in zip(shifts, shifts[1:]))  # no overlap here
+    args.routing_trace = None
+    assert pf._round_shifts(args) == [0] * 5
+    args.routing_trace, args.prompt_tokens = path, 159
+    with pytest.raises(bench_cmd.UsageError, match="160 replayable positions"):
+        pf._round_shifts(args)
 
 
 def test_kernels_benchmark_mxfp4_smoke(tmp_path, monkeypatch):

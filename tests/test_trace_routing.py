@@ -14,7 +14,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 import moeflux_mlx
 from moeflux_mlx.benchmark.routing import RoutingTrace
-from moeflux_mlx.benchmark.trace_routing import TraceRoutingError, drive_routing
+from moeflux_mlx.benchmark.trace_routing import TraceRoutingError, drive_routing, rewind_routing
 from moeflux_mlx.format.checkpoint import expert_layout
 from moeflux_mlx.testing import synth
 
@@ -79,6 +79,26 @@ def test_streamed_model_replays_the_same_and_decodes_as_stock(ckpt):
     positions = [[layer.mlp.gate._pos for layer in m.model.layers] for m in (stock, streamed)]
     assert positions[0] == positions[1] and min(positions[0]) >= 10
     streamed.moeflux.close()
+
+
+def test_rewound_routers_replay_from_where_they_started_plus_the_shift(ckpt):
+    """A benchmark's rounds rewind the replay: shift 0 routes as the first pass did, a shift
+    moves every router by that many positions (wrapping), and a model without a trace has
+    nothing to rewind."""
+    trace = _trace()
+    model, _ = mlx_load(str(ckpt))
+    plain, _ = mlx_load(str(ckpt))
+    assert rewind_routing(plain, 3) == 0
+    drive_routing(model, trace)
+    first = _decode(model)
+    gates = [layer.mlp.gate for layer in model.model.layers]
+    starts = [g._start for g in gates]
+    assert [g._pos for g in gates] != starts
+    assert rewind_routing(model) == LAYERS
+    assert [g._pos for g in gates] == starts
+    assert _decode(model) == first
+    rewind_routing(model, 45)  # the trace has 40 positions
+    assert [g._pos for g in gates] == [(s + 45) % 40 for s in starts]
 
 
 def test_more_layers_than_the_trace_reuse_it_from_elsewhere(ckpt):

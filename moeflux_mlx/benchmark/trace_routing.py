@@ -61,7 +61,11 @@ class TraceRouter(nn.Module):
     def __init__(self, rows: np.ndarray, start: int = 0):
         super().__init__()
         self._rows = rows  # plain attribute: not a parameter, never saved or quantized
-        self._pos = start % rows.shape[0]
+        self._start = self._pos = start % rows.shape[0]
+
+    def rewind(self, shift: int = 0) -> None:
+        """Replay from ``shift`` positions past ``start`` (0: as the first time)."""
+        self._pos = (self._start + shift) % self._rows.shape[0]
 
     def __call__(self, x: mx.array) -> mx.array:
         lead = x.shape[:-1]
@@ -195,6 +199,24 @@ def drive_routing(
             ahead[layer_at[prev]] = (layer_at[nxt], routers[layer_at[nxt]], pred[:, j])
         cache.predictor = TracePredictor(ahead, offset)
     return len(replaced)
+
+
+def rewind_routing(model: nn.Module, shift: int = 0) -> int:
+    """Send every ``TraceRouter`` of ``model`` to ``shift`` positions past where its replay
+    started, so that models compared round by round see the same routing, and a benchmark's
+    rounds stay where the trace's predictions are.
+
+    Args:
+        model: a model ``drive_routing`` prepared.
+        shift: positions past each router's start (0: route as the first pass did).
+
+    Returns:
+        The number of routers moved (0: the model replays no trace).
+    """
+    routers = [m for _, m in model.named_modules() if isinstance(m, TraceRouter)]
+    for r in routers:
+        r.rewind(shift)
+    return len(routers)
 
 
 def _top_k(model: nn.Module, router_path: str):
