@@ -5,24 +5,25 @@ at small cache budgets, with the bytes the prefill read and what reading them al
     python benchmarks/prefill.py --size small --prompt-tokens 512 --budgets 0.25 --repeats 3
     python benchmarks/prefill.py --arch qwen3_moe --size full --layers 8 --convert --io pread
 
-Every model is loaded at once and prefills in turn, ``--repeats`` rounds (medians: VMs are
-noisy). Warm runs read the expert files once first; ``--cold`` drops them from the page cache
-before every moeflux prefill. Per configuration: seconds to the first token (the prompt's forward
-pass and its evaluation, as ``mlx_lm.generate_step`` does it, until the token is in hand) and
-to the device idle (adding the next token's step, which ``generate_step`` queues first), each
-with its ratio to stock; the bytes read, the pure read time of those very reads (replayed through the store alone, same I/O mode
-and page-cache state, right after the prefill), and the overhead beyond the reads: moeflux -
-stock - read time. ``--prefill-whole-layer 4,0`` runs the option's values side by side (0: one
-host sync per layer and call, the path before whole-layer reads); ``--read-ahead on,off`` and
+Every model is loaded at once and prefills in turn, ``--repeats`` rounds (medians: VMs are noisy).
+Warm runs read the expert files once first; ``--cold`` drops them from the page cache before every
+moeflux prefill. Per configuration: seconds to the first token (the prompt's forward pass and its
+evaluation, as ``mlx_lm.generate_step`` does it, until the token is in hand) and to the device idle
+(adding the next token's step, which ``generate_step`` queues first), each with its ratio to stock;
+the bytes read, the pure read time of those very reads (replayed through the store alone, same I/O
+mode and page-cache state, right after the prefill), and the overhead beyond the reads: moeflux -
+stock - read time. ``--prefill-whole-layer 4,0`` runs the option's values side by side (0: one host
+sync per layer and call, the path before whole-layer reads); ``--read-ahead on,off`` and
 ``--threads 8,16`` run whole-layer reads with and without the next layer read in the background,
-and with that many read threads; ``--dma on,off`` with the layers copied to the GPU by its copy
-engines or by a kernel; ``--warm-slots on,off`` with and without each layer's slots refilled
-from the prompt's most-routed experts; ``--prefetch on,off`` (with a routing trace, and
-``--trace-predictor ridge``) with and without the steps after the prompt (its last token, then
-the first generated) reading the next layer's predicted experts ahead. With ``--routing-trace``
-each round replays another window of the trace (every configuration the same one), so no
-round finds the previous round's last experts waiting in the slots. Writes
-``DATE-MACHINE-prefill.{md,json}`` to ``--out`` (never overwriting).
+and with that many read threads; ``--warm-read-threads 4,0`` with small reads from the page cache
+on 4 threads or on all; ``--dma on,off`` with the layers copied to the GPU by its copy
+engines or by a kernel; ``--warm-slots on,off`` with and without each layer's slots refilled from
+the prompt's most-routed experts; ``--prefetch on,off`` (with a routing trace, and
+``--trace-predictor ridge``) with and without the steps after the prompt (its last token, then the
+first generated) reading the next layer's predicted experts ahead. With ``--routing-trace`` each
+round replays another window of the trace (every configuration the same one), so no round finds the
+previous round's last experts waiting in the slots. Writes ``DATE-MACHINE-prefill.{md,json}`` to
+``--out`` (never overwriting).
 """
 
 import argparse
@@ -56,7 +57,7 @@ from moeflux_mlx.commands.bench import (  # noqa: E402
 from moeflux_mlx.commands.common import UsageError  # noqa: E402
 from moeflux_mlx.errors import MoefluxError  # noqa: E402
 from moeflux_mlx.format.checkpoint import expert_layout  # noqa: E402
-from moeflux_mlx.options import DEFAULT_THREADS  # noqa: E402
+from moeflux_mlx.options import DEFAULT_THREADS, DEFAULT_WARM_READ_THREADS  # noqa: E402
 
 
 def _floats(text: str):
@@ -124,18 +125,19 @@ SWITCHES = (
 
 
 def _variants(args):
-    """(prefill_whole_layer, {switch: on}, prefetch, threads) of each moeflux configuration:
+    """(prefill_whole_layer, {switch: on}, prefetch, threads, warm read threads) of each moeflux
+    configuration:
     the whole-layer switches varied only where layers are read whole."""
     names = [arg for arg, *_ in SWITCHES]
     for whole in args.prefill_whole_layer:
         values = [getattr(args, a) if whole else getattr(args, a)[:1] for a in names]
         for ons in itertools.product(*values):
             for prefetch in args.prefetch:
-                for threads in args.threads:
-                    yield whole, dict(zip(names, ons)), prefetch, threads
+                for threads, warm in itertools.product(args.threads, args.warm_read_threads):
+                    yield whole, dict(zip(names, ons)), prefetch, threads, warm
 
 
-def _variant_name(args, io_mode, frac, whole, switches, prefetch, threads) -> str:
+def _variant_name(args, io_mode, frac, whole, switches, prefetch, threads, warm) -> str:
     name = f"moeflux {io_mode} {frac:.0%} whole={whole:g}"
     for arg, _, on, off in SWITCHES:
         if whole and len(getattr(args, arg)) > 1:
@@ -144,6 +146,8 @@ def _variant_name(args, io_mode, frac, whole, switches, prefetch, threads) -> st
         name += " prefetch" if prefetch else " no prefetch"
     if len(args.threads) > 1:
         name += f" {threads} threads"
+    if len(args.warm_read_threads) > 1:
+        name += f" warm reads on {warm}" if warm else " warm reads on all"
     return name
 
 
@@ -189,12 +193,13 @@ def run(args) -> dict:
     logs = {}
     for io in args.io:
         for frac in args.budgets:
-            for whole, switches, prefetch, threads in _variants(args):
+            for whole, switches, prefetch, threads, warm in _variants(args):
                 budget = "all" if frac >= 1 else int(frac * total)
                 # the caches read these options when they are made (LoadOptions)
                 os.environ["MOEFLUX_PREFILL_WHOLE_LAYER"] = f"{whole:g}"
                 for arg, var, _, _ in SWITCHES:
                     os.environ[var] = "on" if switches[arg] else "off"
+                os.environ["MOEFLUX_WARM_READ_THREADS"] = str(warm)
                 m, _ = moeflux_mlx.load(
                     path,
                     expert_io=io,
@@ -204,7 +209,7 @@ def run(args) -> dict:
                     prefetch=prefetch,
                 )
                 name = _variant_name(
-                    args, m.moeflux.store.io_mode, frac, whole, switches, prefetch, threads
+                    args, m.moeflux.store.io_mode, frac, whole, switches, prefetch, threads, warm
                 )
                 models[name] = m
                 logs[name] = ReadLog(m.moeflux.store)
@@ -417,6 +422,13 @@ def main(argv=None) -> int:
         type=_ints,
         default=[DEFAULT_THREADS],
         help=f"read threads, e.g. 8,16 (default: the package's, {DEFAULT_THREADS} here)",
+    )
+    p.add_argument(
+        "--warm-read-threads",
+        type=_ints,
+        default=[DEFAULT_WARM_READ_THREADS],
+        help="threads of a read of a few experts that the page cache holds, e.g. 4,0 (0: every "
+        f"thread; the load option warm_read_threads, default {DEFAULT_WARM_READ_THREADS})",
     )
     p.add_argument("--bench-backend", default=None, help="expert backend (default: auto)")
     p.add_argument("--cold", action="store_true", help="drop the page cache before each run")

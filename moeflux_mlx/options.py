@@ -14,6 +14,8 @@ Plain Python: the miss server process imports it without MLX.
     MOEFLUX_EVICTION             eviction        lru | lfu | lfuda | decay | transition | logistic
                                                  | s3fifo
     MOEFLUX_THREADS              threads         parallel reads of the pread store (>= 1)
+    MOEFLUX_WARM_READ_THREADS    warm_read_threads   ... of a few experts the page cache holds
+                                                     (0: every thread)
     MOEFLUX_WAIT_TIMEOUT_S       wait_timeout_s  how long the GPU waits for the miss server (> 0)
     MOEFLUX_SERVER_POLL_US       server_poll_us  the miss server's poll interval after a request
     MOEFLUX_SERVER_POLL_MAX_US   server_poll_max_us  ... growing to this while no request comes
@@ -111,6 +113,10 @@ ENVIRONMENT: Dict[str, Tuple[str, Callable[[str], Any]]] = {
     "slot_writes": ("MOEFLUX_SLOT_WRITES", _Choice(SLOT_WRITES)),
     "eviction": ("MOEFLUX_EVICTION", _Choice(EVICTIONS)),
     "threads": ("MOEFLUX_THREADS", lambda text: _positive_int(_whole_number(text))),
+    "warm_read_threads": (
+        "MOEFLUX_WARM_READ_THREADS",
+        lambda text: _count(_whole_number(text, minimum=0)),
+    ),
     "wait_timeout_s": ("MOEFLUX_WAIT_TIMEOUT_S", _number(0, strict_minimum=True)),
     "server_poll_us": ("MOEFLUX_SERVER_POLL_US", _number(0, strict_minimum=False)),
     "server_poll_max_us": ("MOEFLUX_SERVER_POLL_MAX_US", _number(0, strict_minimum=False)),
@@ -125,16 +131,22 @@ ENVIRONMENT: Dict[str, Tuple[str, Callable[[str], Any]]] = {
 DEFAULT_PREFILL_WHOLE_LAYER = 4.0
 
 
-def _whole_number(text: str) -> int:
+def _whole_number(text: str, minimum: int = 1) -> int:
     try:
         return int(str(text).strip())
     except ValueError:
-        raise ValueError("expected a whole number >= 1") from None
+        raise ValueError(f"expected a whole number >= {minimum}") from None
 
 
 def _positive_int(value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError("expected a whole number >= 1")
+    return value
+
+
+def _count(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError("expected a whole number >= 0")
     return value
 
 
@@ -150,6 +162,7 @@ _ARGUMENTS: Dict[str, Callable[[Any], Any]] = {
     "slot_writes": ENVIRONMENT["slot_writes"][1],
     "eviction": ENVIRONMENT["eviction"][1],
     "threads": _positive_int,
+    "warm_read_threads": _count,
     "cache_budget": _check_budget,
     "wait_timeout_s": ENVIRONMENT["wait_timeout_s"][1],
     "server_poll_us": ENVIRONMENT["server_poll_us"][1],
@@ -162,6 +175,10 @@ _ARGUMENTS: Dict[str, Callable[[Any], Any]] = {
 # run faster on 16 threads than on 8 where the cores are there, and decode's few experts a layer
 # read no slower (docs/benchmarks.md, "Prefill")
 DEFAULT_THREADS = min(16, max(8, os.cpu_count() or 8))
+# From the page cache, a call of a few experts (a decode step's misses) is bound by its calls,
+# not its copying, and reads fastest on a few threads (docs/benchmarks.md, "Prefill"), while
+# a cold disk serves it faster on every thread
+DEFAULT_WARM_READ_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -178,6 +195,9 @@ class LoadOptions:
             ``"all"``, or 0 for none; None: every expert when they fit in 0.4 x RAM, else 0.4 x RAM.
         prefetch: read the experts that the next layer's router predicts in the background.
         threads: parallel reads of the ``pread`` store.
+        warm_read_threads: a ``pread`` call of a few experts (at most 16 MiB) that the page
+            cache holds, as a few pages of each asked without reading tell (``RWF_NOWAIT``,
+            Linux), is read on this many threads instead of ``threads``; 0: always ``threads``.
         device_table: CUDA: decode looks slots up on the GPU (the device-side table); None: on
             wherever it can run.
         slot_writes: ``host`` (into the pool's memory through a host view) or ``device`` (through
@@ -224,6 +244,7 @@ class LoadOptions:
     cache_budget: Budget = None
     prefetch: bool = False
     threads: int = DEFAULT_THREADS
+    warm_read_threads: int = DEFAULT_WARM_READ_THREADS
     device_table: Optional[bool] = None
     slot_writes: Optional[str] = None
     eviction: str = "transition"

@@ -216,6 +216,12 @@ def test_options_are_read_in_one_place(monkeypatch):
     with pytest.raises(OptionError, match="threads=0"):
         LoadOptions.resolve(threads=0, expert_io="mmap")
     assert LoadOptions.resolve(expert_io="MMAP").expert_io == "mmap"
+    monkeypatch.setenv("MOEFLUX_WARM_READ_THREADS", "0")  # 0: every thread, always
+    assert LoadOptions.resolve(expert_io="mmap").warm_read_threads == 0
+    monkeypatch.setenv("MOEFLUX_WARM_READ_THREADS", "-1")
+    with pytest.raises(OptionError, match="MOEFLUX_WARM_READ_THREADS=-1: expected a whole"):
+        LoadOptions.resolve(expert_io="mmap")
+    assert LoadOptions.resolve(expert_io="mmap", warm_read_threads=2).warm_read_threads == 2
 
 
 # --------------------------------------------------------------------------- 6. ~ in load()

@@ -3,12 +3,14 @@
 The bytes are the pread store's, bit for bit, in place or through a bounce buffer; the pages read
 uncached do not enter the page cache (checked with ``mincore``); a truncated file fails clearly.
 The model through ``direct`` against stock mlx-lm, and the fallback to cached reads where a file
-cannot be read uncached: test_streaming.py."""
+cannot be read uncached: test_streaming.py. Last, the other side of the page cache: a small pread
+call the cache holds (asked with ``RWF_NOWAIT``, against ``mincore``) goes on fewer threads."""
 
 from __future__ import annotations
 
 import errno
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -191,3 +193,79 @@ def test_background_reads_go_uncached_too(tiny_checkpoints, monkeypatch):
         fd = next(iter(direct.layers[layer].file_descriptors().values()))
     with pytest.raises(ModelClosedError):
         direct.read_range(fd, 0, aligned_empty(8), "closed")
+
+
+# -- small reads from the page cache: fewer threads (``store.page_cache_holds``) ---------------
+
+
+@pytest.mark.skipif(st._RWF_NOWAIT is None, reason="RWF_NOWAIT is Linux's")
+def test_page_cache_holds_answers_as_mincore(blob_file):
+    """The probe says True for a file read whole, False once its pages are dropped, and False
+    when only its first half is read back (the probe looks at each range's middle and last
+    page too); ``mincore`` agrees each time, and the probe reads at most one page in."""
+    path, data, fd, _ = blob_file
+    n = len(data)
+    reads = [(fd, 0, np.empty(n // 3, np.uint8), "a"), (fd, n // 3, np.empty(n - n // 3), "b")]
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # as the store's files: no readahead
+    os.pread(fd, n, 0)
+    assert _resident_pages(path).all()
+    assert st.page_cache_holds(reads) is True
+    _drop(fd)
+    if _resident_pages(path).all():
+        pytest.skip(f"{path.parent}: this file system keeps every page (tmpfs)")
+    assert st.page_cache_holds(reads) is False
+    # it stops at the first page missing, which the kernel may start reading (the call reads it
+    # next anyway), and reads nothing else in
+    assert _resident_pages(path).sum() <= 1
+    os.pread(fd, n // 2, 0)
+    assert st.page_cache_holds(reads[:1]) is True  # the first third only
+    assert st.page_cache_holds(reads) is False
+
+
+def test_a_small_call_from_the_page_cache_reads_on_fewer_threads(tiny_checkpoints, monkeypatch):
+    """A call of a few experts the page cache holds is dealt to ``warm_threads`` shares (4 by
+    default), the same call after a drop to every thread, as is a call over
+    ``WARM_PROBE_MAX_BYTES``, one read uncached, or any with ``warm_threads=0``; where the probe
+    is refused the store stops probing. The bytes are the one-thread store's every time."""
+    _, packed = tiny_checkpoints["qwen3_moe"]
+    dealt = []
+    real = st.balanced_shares
+    monkeypatch.setattr(st, "balanced_shares", lambda r, t: (dealt.append(t), real(r, t))[1])
+    monkeypatch.setattr(st, "MIN_SHARE_BYTES", 4096)  # tiny experts: still several shares
+    store, layout = st.open_store(packed, "pread", threads=8)
+    one, _ = st.open_store(packed, "pread", threads=1)
+    direct, _ = st.open_store(packed, "direct", threads=8)
+    never, _ = st.open_store(packed, "pread", threads=8, warm_threads=0)
+    layer = min(layout.layers)
+    experts = np.array([0, 3, 5, 6])
+    files = {Path(p) for p in store.layers[layer].file_descriptors()}
+    with store, one, direct, never:
+        want = one.read(layer, experts).copy()
+
+        def threads_of(s):
+            dealt.clear()
+            assert np.array_equal(s.read(layer, experts), want)
+            return dealt[-1]
+
+        if st._RWF_NOWAIT is not None:
+            assert store.warm_threads == 4 and threads_of(store) == 4
+            assert threads_of(never) == 8
+        pagecache.drop_page_cache(sorted(files))
+        if not any(_resident_pages(p).all() for p in files):  # a file system that drops pages
+            assert threads_of(store) == 8
+        assert threads_of(direct) == 8
+        monkeypatch.setattr(st, "WARM_PROBE_MAX_BYTES", 1)
+        assert threads_of(store) == 8
+        monkeypatch.setattr(st, "WARM_PROBE_MAX_BYTES", 16 << 20)
+
+        preadv = os.preadv
+
+        def refused(fd, buffers, offset, *flags):  # the probes, not the reads
+            if flags:
+                raise OSError(errno.EOPNOTSUPP, "no")
+            return preadv(fd, buffers, offset)
+
+        monkeypatch.setattr(st.os, "preadv", refused)
+        assert threads_of(store) == 8 and not store._probe_cache
+        monkeypatch.setattr(st, "page_cache_holds", lambda r: pytest.fail("probed again"))
+        assert threads_of(store) == 8

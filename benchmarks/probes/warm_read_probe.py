@@ -43,7 +43,9 @@ def main() -> int:
     threads = [int(v) for v in args.threads.split(",")]
     shares = [int(v) << 10 for v in args.min_share_kib.split(",")]
     sizes = [int(v) for v in args.batches.split(",")]
-    stores = {t: st.open_store(args.model, "pread", threads=t)[0] for t in threads}
+    # every thread on every call: the probe measures what a thread count gives, not the store's
+    # choice of fewer threads for small calls from the page cache (warm_read_threads)
+    stores = {t: st.open_store(args.model, "pread", threads=t, warm_threads=0)[0] for t in threads}
     layer = sorted(next(iter(stores.values())).layers)[0]
     layout = next(iter(stores.values())).layout(layer)
     out = np.empty((layout.num_experts, layout.blob_size), np.uint8)

@@ -11,6 +11,7 @@ the user.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -25,7 +26,7 @@ from ..format.checkpoint import check_packed, is_packed, packed_file, scan_check
 from ..format.layout import ExpertLayout, ExpertShard, ModelLayout, Span
 from ..format.readers import LayerSource, PackedLayer, SafetensorsLayer, advise_random_reads
 from ..format.safetensors import TensorRange
-from ..options import IO_MODES, from_environment
+from ..options import DEFAULT_WARM_READ_THREADS, IO_MODES, from_environment
 from .uncached import UncachedFile, aligned_empty, open_uncached
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,11 @@ MIN_SHARE_BYTES = 256 << 10
 # (docs/benchmarks.md, "Prefill").
 PIECES_PER_SHARE = 8
 PAGE_BYTES = 4096
+# A call this small first asks the page cache, without reading, whether it holds the bytes
+# (RWF_NOWAIT probes of a few pages), and if so is read on the store's ``warm_threads``
+# (options.DEFAULT_WARM_READ_THREADS says why); larger calls keep every thread.
+WARM_PROBE_MAX_BYTES = 16 << 20
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)  # Linux only; elsewhere nothing is probed
 # A part's runs (a tensor-parallel down projection: part of every row) with gaps shorter than
 # this are read as one span, gaps included: the disk reads whole pages (16 KiB on Apple silicon)
 # anyway, and one read per row would cost a call per row.
@@ -92,7 +98,13 @@ class ExpertStore:
     stops the others at their next piece and retires the staging buffer they write into, so a
     straggler cannot corrupt a later call."""
 
-    def __init__(self, layers: Dict[int, Source], io_mode: str, threads: int = 8):
+    def __init__(
+        self,
+        layers: Dict[int, Source],
+        io_mode: str,
+        threads: int = 8,
+        warm_threads: int = DEFAULT_WARM_READ_THREADS,
+    ):
         self.layers = layers  # layer -> PackedLayer | SafetensorsLayer | ShardedLayer
         self.io_mode = io_mode
         if io_mode != "mmap":  # scattered reads of pieces (mmap keeps readahead: warm reuse)
@@ -112,6 +124,9 @@ class ExpertStore:
                     src.close()
                 raise
         self.threads = threads
+        self.warm_threads = warm_threads  # 0: never fewer than ``threads``
+        # False once the kernel or file system refuses a probe (written by the read path only)
+        self._probe_cache = _RWF_NOWAIT is not None
         self._pool: Optional[ThreadPoolExecutor] = None
         self._staging: Optional[np.ndarray] = None
         self._lock = threading.Lock()
@@ -242,14 +257,12 @@ class ExpertStore:
             if isinstance(src, ShardedLayer):  # runs of rows: a job per piece, as they come
                 shares = [[job] for i, e in enumerate(experts) for job in src.jobs(e, out[i])]
             else:
-                shares = balanced_shares(
-                    [
-                        (self._uncached.get(fd, fd), start, out[i, at : at + n], what)
-                        for i, e in enumerate(experts)
-                        for fd, start, at, n, what in src.pieces(e)
-                    ],
-                    self.threads,
-                )
+                reads = [
+                    (self._uncached.get(fd, fd), start, out[i, at : at + n], what)
+                    for i, e in enumerate(experts)
+                    for fd, start, at, n, what in src.pieces(e)
+                ]
+                shares = balanced_shares(reads, self._threads_for(reads))
             for share in shares:
                 futures.append(pool.submit(_run_jobs, share, stop))
             errors = [f.exception() for f in futures]  # waits for every read of this call
@@ -269,6 +282,21 @@ class ExpertStore:
         for err in errors:
             if err is not None:
                 raise err
+
+    def _threads_for(self, reads: List[tuple]) -> int:
+        """The threads a call's reads are dealt to: ``warm_threads`` for a small call the page
+        cache holds, else every thread."""
+        if (
+            not 0 < self.warm_threads < self.threads
+            or not self._probe_cache
+            or sum(len(into) for _, _, into, _ in reads) > WARM_PROBE_MAX_BYTES
+            or any(not isinstance(fd, int) for fd, _, _, _ in reads)  # uncached: no page cache
+        ):
+            return self.threads
+        held = page_cache_holds(reads)
+        if held is None:  # probes refused here: never ask again
+            self._probe_cache = False
+        return self.warm_threads if held else self.threads
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -302,7 +330,12 @@ class ExpertStore:
                     for c, r in src.parts
                 }
             layers[str(i)] = d
-        return {"io_mode": self.io_mode, "threads": self.threads, "layers": layers}
+        return {
+            "io_mode": self.io_mode,
+            "threads": self.threads,
+            "warm_threads": self.warm_threads,
+            "layers": layers,
+        }
 
     def close(self) -> None:
         """Join the read threads, unmap and close every file. Idempotent."""
@@ -330,6 +363,7 @@ def open_store(
     io_mode: Optional[str] = None,
     threads: int = 8,
     shards: Optional[Mapping[int, Optional[ExpertShard]]] = None,
+    warm_threads: int = DEFAULT_WARM_READ_THREADS,
 ) -> Tuple[ExpertStore, ModelLayout]:
     """Open the experts of a converted directory or a plain mlx-lm checkpoint.
 
@@ -344,6 +378,7 @@ def open_store(
         shards: one process's share of a distributed model: only these layers are opened, each
             whole (None) or a part of every expert (``ExpertLayout.shard``); the RAM gate and the
             returned layout are the share's. None: every layer, whole.
+        warm_threads: the threads of a small read the page cache holds (0: ``threads``).
 
     Returns:
         ``(store, model_layout)``.
@@ -382,7 +417,7 @@ def open_store(
             {i: src.layout for i, src in layers.items()}, {i: paths[i] for i in layers}
         )
     mode = select_expert_io(model_layout.total_expert_bytes, io_mode)
-    return ExpertStore(layers, mode, threads), model_layout
+    return ExpertStore(layers, mode, threads, warm_threads), model_layout
 
 
 def _chunks(
@@ -408,6 +443,34 @@ def piece_bytes(share: int) -> int:
     share ``PIECES_PER_SHARE`` pieces (page multiples)."""
     larger = -(-share // PIECES_PER_SHARE // PAGE_BYTES) * PAGE_BYTES
     return max(READ_PIECE_BYTES, larger)
+
+
+def page_cache_holds(reads: List[tuple]) -> Optional[bool]:
+    """Whether the page cache holds ``reads``, judged by the first, middle and last page of
+    each, asked with ``RWF_NOWAIT`` one-byte reads that never wait for the disk.
+
+    Args:
+        reads: ``(fd, file offset, 1-d uint8 array to fill, what)`` per contiguous read, as
+            ``balanced_shares`` takes them; only their places are used, nothing is filled.
+
+    Returns:
+        True if every page probed is cached, False if one is not; None where the kernel or the
+        file system cannot answer (no ``RWF_NOWAIT``, or a probe refused).
+    """
+    if _RWF_NOWAIT is None:
+        return None
+    byte = bytearray(1)
+    for fd, start, into, _ in reads:
+        n = len(into)
+        for at in sorted({0, n // 2, n - 1} if n else set()):
+            try:
+                if os.preadv(fd, [byte], start + at, _RWF_NOWAIT) != 1:
+                    return False  # past the end: the read itself will say so
+            except BlockingIOError:
+                return False
+            except OSError:
+                return None
+    return True
 
 
 def balanced_shares(reads: List[tuple], threads: int) -> List[List[tuple]]:
@@ -593,4 +656,4 @@ def store_from_spec(spec: dict) -> ExpertStore:
         for src in layers.values():
             src.close()
         raise
-    return ExpertStore(layers, spec["io_mode"], int(spec["threads"]))
+    return ExpertStore(layers, spec["io_mode"], int(spec["threads"]), int(spec["warm_threads"]))

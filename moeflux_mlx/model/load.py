@@ -122,7 +122,12 @@ def _expert_keys_dropper(sanitize, module_paths, where: object):
 
 
 def _make_runtime(source, options: LoadOptions) -> StreamingRuntime:
-    store, layout = open_store(Path(source).expanduser(), options.expert_io, options.threads)
+    store, layout = open_store(
+        Path(source).expanduser(),
+        options.expert_io,
+        options.threads,
+        warm_threads=options.warm_read_threads,
+    )
     try:
         return StreamingRuntime(store, layout, options)
     except Exception:

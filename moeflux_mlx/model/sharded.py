@@ -267,7 +267,9 @@ def sharded_load(
         i = layer_of.get(p)
         if i is not None:
             shards[i] = full.layers[i].shard(cuts[i], f"{path}: layer {i}") if cuts.get(i) else None
-    store, share = open_store(path, opts.expert_io, opts.threads, shards)
+    store, share = open_store(
+        path, opts.expert_io, opts.threads, shards, warm_threads=opts.warm_read_threads
+    )
     try:
         runtime = StreamingRuntime(store, share, opts)
     except Exception:
