@@ -179,13 +179,13 @@ def main() -> int:
     for _ in range(args.repeats):
         for t, b, skip in variants:
             layer_copy.LAYER_COPY_BLOCKS, timed.skip_async = b, skip
-            s_stock, tok_stock = first_token(stocks[t], prompt)
+            _, s_stock, tok_stock = first_token(stocks[t], prompt)
             rt = models[t].moeflux
             rt.reset_stats()
             served0 = _server_read_s(rt)
             EVENTS.clear()
             t0 = time.perf_counter()
-            s, tok = first_token(models[t], prompt)
+            _, s, tok = first_token(models[t], prompt)
             d = rt.stats_dict()["total"]
             whole = sum(ly.num_experts for ly in rt.layout.layers.values())
             # beyond the whole layers: the last prompt token's misses, and the GPU's waits
