@@ -195,7 +195,7 @@ class LoadOptions:
             ``"all"``, or 0 for none; None: every expert when they fit in 0.4 x RAM, else 0.4 x RAM.
         prefetch: read the experts that the next layer's router predicts in the background.
         threads: parallel reads of the ``pread`` store.
-        warm_read_threads: a ``pread`` call of a few experts (at most 16 MiB) that the page
+        warm_read_threads: a ``pread`` call of a few experts (at most 32 MiB) that the page
             cache holds, as a few pages of each asked without reading tell (``RWF_NOWAIT``,
             Linux), is read on this many threads instead of ``threads``; 0: always ``threads``.
         device_table: CUDA: decode looks slots up on the GPU (the device-side table); None: on

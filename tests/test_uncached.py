@@ -256,7 +256,7 @@ def test_a_small_call_from_the_page_cache_reads_on_fewer_threads(tiny_checkpoint
         assert threads_of(direct) == 8
         monkeypatch.setattr(st, "WARM_PROBE_MAX_BYTES", 1)
         assert threads_of(store) == 8
-        monkeypatch.setattr(st, "WARM_PROBE_MAX_BYTES", 16 << 20)
+        monkeypatch.setattr(st, "WARM_PROBE_MAX_BYTES", 32 << 20)
 
         preadv = os.preadv
 
