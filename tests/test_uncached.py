@@ -225,8 +225,9 @@ def test_page_cache_holds_answers_as_mincore(blob_file):
 def test_a_small_call_from_the_page_cache_reads_on_fewer_threads(tiny_checkpoints, monkeypatch):
     """A call of a few experts the page cache holds is dealt to ``warm_threads`` shares (4 by
     default), the same call after a drop to every thread, as is a call over
-    ``WARM_PROBE_MAX_BYTES``, one read uncached, or any with ``warm_threads=0``; where the probe
-    is refused the store stops probing. The bytes are the one-thread store's every time."""
+    ``WARM_PROBE_MAX_BYTES``, one read uncached, or any with ``warm_threads=0``; a probe that
+    meets a failing page means "not cached", and where the probe is refused the store stops
+    probing. The bytes are the one-thread store's every time."""
     _, packed = tiny_checkpoints["qwen3_moe"]
     dealt = []
     real = st.balanced_shares
@@ -260,12 +261,17 @@ def test_a_small_call_from_the_page_cache_reads_on_fewer_threads(tiny_checkpoint
 
         preadv = os.preadv
 
-        def refused(fd, buffers, offset, *flags):  # the probes, not the reads
-            if flags:
-                raise OSError(errno.EOPNOTSUPP, "no")
-            return preadv(fd, buffers, offset)
+        def probes_fail(code):
+            def probe_or_read(fd, buffers, offset, *flags):  # the probes fail, not the reads
+                if flags:
+                    raise OSError(code, os.strerror(code))
+                return preadv(fd, buffers, offset)
 
-        monkeypatch.setattr(st.os, "preadv", refused)
+            monkeypatch.setattr(st.os, "preadv", probe_or_read)
+
+        probes_fail(errno.EIO)  # a failing page: not cached, and the store keeps asking
+        assert threads_of(store) == 8 and store._probe_cache
+        probes_fail(errno.EOPNOTSUPP)  # refused: never asked again
         assert threads_of(store) == 8 and not store._probe_cache
         monkeypatch.setattr(st, "page_cache_holds", lambda r: pytest.fail("probed again"))
         assert threads_of(store) == 8

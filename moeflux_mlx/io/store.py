@@ -10,6 +10,7 @@ the user.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -53,6 +54,7 @@ PAGE_BYTES = 4096
 # experts of 2.65 MB still read faster on 4 threads than on 16, a whole layer of 64 does not).
 WARM_PROBE_MAX_BYTES = 32 << 20
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)  # Linux only; elsewhere nothing is probed
+_PROBE_REFUSED = (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS)
 # A part's runs (a tensor-parallel down projection: part of every row) with gaps shorter than
 # this are read as one span, gaps included: the disk reads whole pages (16 KiB on Apple silicon)
 # anyway, and one read per row would cost a call per row.
@@ -469,8 +471,9 @@ def page_cache_holds(reads: List[tuple]) -> Optional[bool]:
                     return False  # past the end: the read itself will say so
             except BlockingIOError:
                 return False
-            except OSError:
-                return None
+            except OSError as e:  # refused (an old kernel, a file system without it), or a
+                # failing page, which the read itself then meets and reports
+                return None if e.errno in _PROBE_REFUSED else False
     return True
 
 
