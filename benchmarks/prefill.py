@@ -126,8 +126,7 @@ SWITCHES = (
 
 def _variants(args):
     """(prefill_whole_layer, {switch: on}, prefetch, threads, warm read threads) of each moeflux
-    configuration:
-    the whole-layer switches varied only where layers are read whole."""
+    configuration: the whole-layer switches varied only where layers are read whole."""
     names = [arg for arg, *_ in SWITCHES]
     for whole in args.prefill_whole_layer:
         values = [getattr(args, a) if whole else getattr(args, a)[:1] for a in names]
