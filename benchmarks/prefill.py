@@ -18,7 +18,9 @@ sync per layer and call, the path before whole-layer reads); ``--read-ahead on,o
 and with that many read threads; ``--warm-read-threads 4,0`` with small reads from the page cache
 on 4 threads or on all; ``--dma on,off`` with the layers copied to the GPU by its copy
 engines or by a kernel; ``--warm-slots on,off`` with and without each layer's slots refilled from
-the prompt's most-routed experts; ``--prefetch on,off`` (with a routing trace, and
+the prompt's most-routed experts; ``--pin-experts on,off`` with the steps after the prompt
+copying their misses on the GPU out of the page-locked expert files or the miss server reading
+them; ``--prefetch on,off`` (with a routing trace, and
 ``--trace-predictor ridge``) with and without the steps after the prompt (its last token, then the
 first generated) reading the next layer's predicted experts ahead. With ``--routing-trace`` each
 round replays another window of the trace (every configuration the same one), so no round finds the
@@ -121,6 +123,7 @@ SWITCHES = (
     ("read_ahead", "MOEFLUX_PREFILL_READ_AHEAD", "ahead", "no ahead"),
     ("dma", "MOEFLUX_PREFILL_DMA", "copy engines", "copy kernel"),
     ("warm_slots", "MOEFLUX_PREFILL_WARM_SLOTS", "warm slots", "cold slots"),
+    ("pin_experts", "MOEFLUX_PIN_EXPERTS", "pinned", "unpinned"),
 )
 
 
@@ -401,6 +404,14 @@ def main(argv=None) -> int:
         default=[False],
         help="on,off: each layer's slots refilled from the prompt's most-routed experts, or "
         "left as they were (the load option prefill_warm_slots; default off, as the option's)",
+    )
+    p.add_argument(
+        "--pin-experts",
+        type=_switches,
+        default=[False],
+        help="on,off: the steps after the prompt have the GPU copy their misses out of the "
+        "page-locked expert files, or the miss server read them (the load option pin_experts; "
+        "default off, as the option's)",
     )
     p.add_argument(
         "--prefetch",

@@ -65,8 +65,9 @@ class DeviceWaitError(MoefluxError, RuntimeError):
 
 
 class DeviceSetupError(MoefluxError, RuntimeError):
-    """CUDA's runtime refused to page-lock or map shared memory for the GPU (the device-side
-    table's control block and staging)."""
+    """CUDA's runtime refused to page-lock or map memory for the GPU (the device-side table's
+    control block and staging, or the expert files with ``pin_experts``), or the files to pin
+    do not fit in RAM."""
 
 
 class OptionError(MoefluxError, ValueError):

@@ -29,6 +29,8 @@ Plain Python: the miss server process imports it without MLX.
                                                       the experts it routed most in the slots
     MOEFLUX_PREFILL_LEARNS       prefill_learns       0/off | 1/on (default): the eviction policy
                                                       learns from such a prefill's routing
+    MOEFLUX_PIN_EXPERTS          pin_experts     0/off (default) | 1/on: CUDA: the GPU copies
+                                                 missed experts out of the page-locked files
 
 Cache budgets (``parse_budget``): ``"all"``, ``0``, a fraction of RAM in (0, 1] (``0.25``), or a
 size with a unit: ``B``, SI ``kB`` ``MB`` ``GB`` ``TB`` (powers of 1000) or binary ``KiB`` ``MiB``
@@ -125,6 +127,7 @@ ENVIRONMENT: Dict[str, Tuple[str, Callable[[str], Any]]] = {
     "prefill_dma": ("MOEFLUX_PREFILL_DMA", _switch),
     "prefill_warm_slots": ("MOEFLUX_PREFILL_WARM_SLOTS", _switch),
     "prefill_learns": ("MOEFLUX_PREFILL_LEARNS", _switch),
+    "pin_experts": ("MOEFLUX_PIN_EXPERTS", _switch),
 }
 # a call routing at least this many (token, expert) rows per expert of its layer names nearly
 # every expert (1 - e^-4 = 98% at uniform routing): reading the whole layer costs few extra bytes
@@ -235,6 +238,11 @@ class LoadOptions:
             counts, what follows what; the slots stay as they are), so that a learning policy
             (``transition``, ``logistic``) starts the decode knowing the prompt's routing
             instead of learning it from the first generated tokens. On by default.
+        pin_experts: CUDA, device-side table: the expert files are mapped and page-locked in
+            host RAM for the GPU (``cudaHostRegister``, read-only), and the GPU copies each
+            missed expert straight out of them: the miss server picks its slot but reads
+            nothing. The files stay in RAM while the model is loaded, so they must fit in 0.75
+            x RAM. Off (the default): the miss server reads misses into staging.
         table_every_layer: benchmarks only: fully cached layers are looked up through the
             device-side table too, to measure what the lookup itself costs.
     """
@@ -256,6 +264,7 @@ class LoadOptions:
     prefill_dma: bool = False
     prefill_warm_slots: bool = False
     prefill_learns: bool = True
+    pin_experts: bool = False
     table_every_layer: bool = False
 
     @classmethod

@@ -340,15 +340,17 @@ def test_prefill_benchmark_variants():
         read_ahead=[True, False],
         dma=[False],
         warm_slots=[False],
+        pin_experts=[True, False],
         prefetch=[True, False],
         threads=[8],
         warm_read_threads=[4, 0],
     )
     runs = list(pf._variants(p))
-    assert len(runs) == (2 * 2 + 2) * 2  # whole: ahead x prefetch; synced: prefetch only
+    # whole: ahead x pinned x prefetch; synced: prefetch only
+    assert len(runs) == (2 * 2 * 2 + 2) * 2
     names = {pf._variant_name(p, "pread", 0.25, *r) for r in runs}
     assert len(names) == len(runs)
-    assert "moeflux pread 25% whole=4 no ahead prefetch warm reads on 4" in names
+    assert "moeflux pread 25% whole=4 no ahead pinned prefetch warm reads on 4" in names
     assert "moeflux pread 25% whole=0 no prefetch warm reads on all" in names
     # prefetch would predict from the routers a trace replaces
     with pytest.raises(bench_cmd.UsageError, match="--trace-predictor"):

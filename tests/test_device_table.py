@@ -21,11 +21,13 @@ from mlx_lm.models.cache import make_prompt_cache
 import moeflux_mlx
 from moeflux_mlx.cache.pool import host_view
 from moeflux_mlx.cuda import control_block as cb
+from moeflux_mlx.cuda import pinned_files
 from moeflux_mlx.cuda import runtime as cuda_runtime
 from moeflux_mlx.cuda import table_kernels as tk
 from moeflux_mlx.cuda.miss_client import MissServer
+from moeflux_mlx.cuda.pinned_files import PinnedExperts
 from moeflux_mlx.cuda.runtime import PinnedBuffer
-from moeflux_mlx.errors import DeviceWaitError, ExpertReadError
+from moeflux_mlx.errors import DeviceSetupError, DeviceWaitError, ExpertReadError
 from moeflux_mlx.format.checkpoint import expert_layout
 from moeflux_mlx.io.store import open_store
 from moeflux_mlx.model.lookup_decoding import LookupStats, NgramIndex, lookup_generate_step
@@ -70,9 +72,14 @@ def reference_resolve(control, staging, layer, indices, raw, layout, wait_s, aft
         n, poison = int(t.header[cb.H_NCOPY]), bool(t.header[cb.H_ERR])
         rows = staging.array.reshape(-1, layout.blob_size)
         for k in range(n):
-            for c in layout.components:
+            for ci, c in enumerate(layout.components):
                 dst = host_view(raw[c.name])[t.copy_dst[k]]
-                dst[:] = 0xFF if poison else rows[t.copy_src[k], c.offset : c.offset + c.nbytes]
+                if poison:
+                    dst[:] = 0xFF
+                elif t.sources is not None:  # pinned files: the copy list names experts
+                    dst[:] = t.sources.rows[ci][t.copy_src[k]]
+                else:
+                    dst[:] = rows[t.copy_src[k], c.offset : c.offset + c.nbytes]
     return mx.array(slots.astype(np.uint32)).reshape(indices.shape)
 
 
@@ -112,11 +119,15 @@ def _greedy(model, prompt, n=24):
     return [int(t) for (t, _), _ in zip(generate_step(prompt, model, max_tokens=n), range(n))]
 
 
-def _load_streamed(packed, total, fraction=0.3):
+def _load_streamed(packed, total, fraction=0.3, **options):
     """The model streaming from ``packed`` at ``fraction`` of its experts' bytes, pread, on the
     ops path (bit-exact with stock)."""
     return moeflux_mlx.load(
-        packed, cache_budget=int(fraction * total), expert_io="pread", backend="ops"
+        packed,
+        cache_budget=int(fraction * total),
+        expert_io="pread",
+        backend="ops",
+        options=LoadOptions.resolve(**options) if options else None,
     )
 
 
@@ -175,12 +186,89 @@ def test_decode_through_the_table_is_exact(table_on_cpu, reference, fraction):
         rt.cache.check()
 
 
-def test_speculative_passes_go_through_the_table_a_token_at_a_time(table_on_cpu, reference):
+def _server_read_ns(rt) -> int:
+    return sum(int(t.stats[cb.S_IO_NS]) for t in rt.cache.control.layers.values())
+
+
+@pytest.mark.parametrize("source", ["packed", "plain"])
+def test_pinned_files_decode_exactly_without_server_reads(
+    table_on_cpu, reference, tiny_checkpoints, source
+):
+    """pin_experts: the GPU copies each miss out of the page-locked expert files (a converted
+    layer file, or a plain checkpoint's stacked tensors): tokens as stock's, every slot holding
+    its expert, and the miss server only picking slots (its misses counted, no time reading)."""
+    packed, prompt, want, total = reference
+    path = packed if source == "packed" else tiny_checkpoints["qwen3_moe"][0]
+    model, _ = _load_streamed(path, total, pin_experts=True)
+    with model.moeflux as rt:
+        pinned = rt.cache.pinned
+        assert pinned is not None and sorted(pinned.sources) == sorted(rt.cache.control.layers)
+        assert _greedy(model, prompt) == want
+        rt.stats_dict()
+        t = rt.stats.total()
+        assert t.unsynced_calls > 0 and t.experts_missed > 0
+        assert sum(int(x.stats[cb.S_MISSED]) for x in rt.cache.control.layers.values()) > 0
+        assert _server_read_ns(rt) == 0
+        assert _pool_holds_the_right_experts(rt)
+        rt.cache.check()
+    assert not pinned.files  # unmapped (and unregistered) with the model
+
+
+def test_pinned_rows_are_the_store_s_bytes(tiny_checkpoints):
+    """Each pinned layer's rows, component by component, are the bytes the store reads."""
+    for path in tiny_checkpoints["qwen3_moe"]:
+        store, layout = open_store(path, "pread")
+        pinned = PinnedExperts(store, layout.layers)
+        try:
+            for layer, src in pinned.sources.items():
+                lay = store.layout(layer)
+                blobs = store.read(layer, np.arange(lay.num_experts))
+                for rows, c in zip(src.rows, lay.components):
+                    assert (rows == blobs[:, c.offset : c.offset + c.nbytes]).all(), (path, c)
+        finally:
+            pinned.close()
+            store.close()
+
+
+def test_pinning_more_than_ram_allows_fails_clearly(tiny_store, monkeypatch):
+    store, layout = tiny_store
+
+    class Tiny:
+        total = 1000
+
+    monkeypatch.setattr(pinned_files.psutil, "virtual_memory", lambda: Tiny)
+    with pytest.raises(DeviceSetupError, match=r"pin_experts: the expert files .* exceed 0.75"):
+        PinnedExperts(store, layout.layers)
+
+
+def test_the_server_names_experts_and_reads_nothing_for_pinned_layers(tiny_store, monkeypatch):
+    """For a layer the GPU copies from pinned files the copy list's sources are the missed
+    experts themselves, and the server answers without reading (its files could vanish)."""
+    store, layout = tiny_store
+    c0 = min(layout.layers)
+    server = _server(store, layout, in_place=[c0])
+    try:
+        c, layer, t, _ = _first_layer(server, layout, rows=4)
+        assert layer == c0
+        assert _gpu_call(c, layer, [3, 7, 9])
+        n = int(t.header[cb.H_NCOPY])
+        assert n == 3 and sorted(t.copy_src[:n].tolist()) == [3, 7, 9]
+        for k in range(n):
+            assert t.slot_of[t.copy_src[k]] == t.copy_dst[k]
+        assert t.stats[cb.S_MISSED] == 3 and t.stats[cb.S_IO_NS] == 0
+        assert t.stats[cb.S_BYTES] == 3 * layout.layers[layer].blob_size
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_speculative_passes_go_through_the_table_a_token_at_a_time(table_on_cpu, reference, pinned):
     """Prompt-lookup passes of 3-5 tokens at a budget whose slots (4 of 16 experts, top-4) their
     union outgrows: served by the table a token at a time, with no host sync, the union announced
-    to the miss server by the first token; tokens and log-probs as plain decoding's."""
+    to the miss server by the first token (read ahead, or with pinned files copied by the GPU
+    when asked); tokens and log-probs as plain decoding's."""
     packed, _, _, total = reference
-    model, tokenizer = _load_streamed(packed, total)
+    model, tokenizer = _load_streamed(packed, total, pin_experts=pinned)
     prompt = mx.array(tokenizer.encode("the quick brown fox jumps over the lazy dog " * 3))
     with model.moeflux as rt:
         want = [
@@ -212,7 +300,7 @@ def test_speculative_passes_go_through_the_table_a_token_at_a_time(table_on_cpu,
         t = rt.stats.total()
         assert t.calls == t.unsynced_calls  # no host sync, passes included
         assert t.calls == t.tokens  # every call of one token: the passes went token by token
-        assert t.experts_missed > 0 and t.prefetch_issued > 0  # the pass's union read ahead
+        assert t.experts_missed > 0 and (pinned or t.prefetch_issued > 0)  # union read ahead
         assert _pool_holds_the_right_experts(rt)
         assert rt.cache.control.fault() is None and not rt.cache.control.globals[cb.G_ERRORS]
 
@@ -449,7 +537,7 @@ def tiny_store(tiny_checkpoints):
     store.close()
 
 
-def _server(store, layout, n_slots=4, read_ahead=False, poll_us=None):
+def _server(store, layout, n_slots=4, read_ahead=False, poll_us=None, in_place=()):
     control = cb.ControlBlock(
         {i: (lay.num_experts, n_slots) for i, lay in layout.layers.items()}, allocate=PinnedBuffer
     )
@@ -461,6 +549,7 @@ def _server(store, layout, n_slots=4, read_ahead=False, poll_us=None):
         poll_us or o.server_poll_us,
         poll_us or o.server_poll_max_us,
         read_ahead=read_ahead,
+        in_place=in_place,
     )
 
 

@@ -195,6 +195,15 @@ LOAD_OPTIONS = (
             "on where CUDA is; also MOEFLUX_DEVICE_TABLE=0|1)",
         ),
     ),
+    (
+        "--pin-experts",
+        dict(
+            action=argparse.BooleanOptionalAction,
+            help="CUDA, device-side table: page-lock the expert files in RAM (they must fit in "
+            "0.75 x RAM) and have the GPU copy missed experts out of them (default: off; also "
+            "MOEFLUX_PIN_EXPERTS=0|1)",
+        ),
+    ),
 )
 
 

@@ -78,6 +78,7 @@ FAULT_INDEX, FAULT_TIMEOUT = 1, 2
 MAX_SELECTIONS = 64  # routed experts per call the table path serves (top-k of one token)
 META_CTRL, META_STAGING = 11, 13  # where the kernels' meta holds the two addresses (lo, hi words)
 META_HINT = 15  # then the layer's hint sequence word and hint vector (TableLayer.hint_offsets)
+META_SOURCES = 17  # then, with pinned files, each component's expert-0 address (lo, hi words)
 
 
 @dataclass
@@ -101,6 +102,9 @@ class TableLayer:
     hint_offsets: list  # meta[META_HINT:META_HINT + 2]: the hint's sequence word and vector
     stats: np.ndarray  # int64 S_* counters
     launches: dict = field(default_factory=dict)  # the model process's kernel launches
+    # the model process's ``pinned_files.LayerSources`` when its misses are copied out of the
+    # page-locked files (set before the layer's first kernel is made, never changed after)
+    sources: Optional[object] = None
 
 
 class ControlBlock:

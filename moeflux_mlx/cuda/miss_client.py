@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -61,6 +61,7 @@ class MissServer:
         poll_max_us: float,
         read_ahead: bool = False,
         eviction: str = "lru",
+        in_place: Sequence[int] = (),
     ):
         self.control = control
         self.wait_timeout_s = wait_timeout_s
@@ -79,6 +80,7 @@ class MissServer:
             "eviction": eviction,
             "poll_us": poll_us,
             "poll_max_us": poll_max_us,
+            "in_place": [int(i) for i in in_place],  # layers whose misses the GPU copies itself
         }
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[2])  # works from a source checkout too

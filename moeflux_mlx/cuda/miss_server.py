@@ -59,6 +59,7 @@ from .control_block import (
     HOST_ADMIT,
     HOST_OBSERVE,
     HOST_RELEASE,
+    MAX_SELECTIONS,
     S_BYTES,
     S_IO_NS,
     S_MISSED,
@@ -156,6 +157,9 @@ class Server:
         self._idle.register(self.sock, select.POLLIN)
         self.poll_s = float(spec["poll_us"]) * 1e-6
         self.max_poll_s = max(self.poll_s, float(spec["poll_max_us"]) * 1e-6)
+        # table layers whose misses the GPU copies out of pinned files itself (pinned_files):
+        # the copy list names experts, and nothing is read here
+        self.in_place = {int(k) for k in spec.get("in_place", ())}
         policy = POLICIES[spec["eviction"]]
         self.policies = {
             layer: policy(t.num_experts, t.n_slots, t.slot_of, t.last_used)
@@ -231,6 +235,8 @@ class Server:
             keep = set(experts.tolist())
             for e in [e for e in pending if e not in keep]:
                 pending.pop(e).cancel()  # only the latest hint counts
+            if layer in self.in_place:
+                continue  # nothing to read: the hint only keeps a pass's experts together
             for e in hint[np.sort(first)].tolist():
                 if t.slot_of[e] < 0 and e not in pending:
                     pending[e] = self.prefetcher.submit(self._read_one, layer, e)
@@ -284,9 +290,11 @@ class Server:
             self._drop_hint(i)  # a stale hint's reads are not this call's
             hint = None
         own, keep = experts, None
+        in_place = layer in self.in_place
         if hint is not None and call < last:  # a pass's token, more to come
             blob = self.store.layout(layer).blob_size
             rows = self.staging[blob].shape[0] if blob in self.staging else n_request
+            rows = MAX_SELECTIONS if in_place else rows  # the copy list's length
             experts = hint.admit_with(own, call, n_request, t.slot_of, t.n_slots, rows)
             # the later tokens' other resident experts stay through the misses, the soonest
             # needed first
@@ -298,6 +306,16 @@ class Server:
         t.header[H_ERR] = 0
         try:
             layout = self.store.layout(layer)
+            if in_place:  # the GPU copies them from the pinned files
+                if n > MAX_SELECTIONS:
+                    raise DeviceWaitError(
+                        f"layer {layer}: {n} missed experts in one call, the copy list "
+                        f"holds {MAX_SELECTIONS}"
+                    )
+                t.stats[S_READ] += n
+                t.stats[S_BYTES] += n * layout.blob_size
+                t.stats[S_MISSED] += n
+                return
             staging = self._staging(layout.blob_size)
             if n > staging.shape[0]:
                 raise DeviceWaitError(
@@ -336,7 +354,7 @@ class Server:
             policy.assign(missing, victims, tick)
             if early.size:
                 policy.release(early)
-            t.copy_src[:n] = np.arange(n)
+            t.copy_src[:n] = missing if in_place else np.arange(n)  # an expert, a staging row
             t.copy_dst[:n] = victims
             t.header[H_NCOPY] = n
             c.answers[i] = seq  # last: the GPU reads everything above once it sees this

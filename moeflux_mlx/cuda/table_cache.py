@@ -36,6 +36,7 @@ from ..stats import LayerStats, Stats
 from . import table_kernels
 from .control_block import HOST_ADMIT, HOST_RELEASE, MAX_SELECTIONS, ControlBlock, TableLayer
 from .miss_client import MissServer
+from .pinned_files import PinnedExperts
 from .runtime import PinnedBuffer
 
 
@@ -87,7 +88,13 @@ class TableCache(BudgetCache):
         self.control = ControlBlock(
             table_layers(layout, self.n_slots, options.table_every_layer), allocate=PinnedBuffer
         )
-        try:  # the server opens the same expert files itself
+        self.pinned: Optional[PinnedExperts] = None
+        try:
+            if options.pin_experts:  # before any kernel is made: the layers' launches use them
+                self.pinned = PinnedExperts(store, self.control.layers)
+                for layer, sources in self.pinned.sources.items():
+                    self.control.layers[layer].sources = sources
+            # the server opens the same expert files itself
             self.server = MissServer(
                 self.control,
                 store,
@@ -96,8 +103,11 @@ class TableCache(BudgetCache):
                 options.server_poll_max_us,
                 read_ahead=options.prefetch,
                 eviction=options.eviction,
+                in_place=sorted(self.pinned.sources) if self.pinned is not None else (),
             )
         except BaseException:
+            if self.pinned is not None:
+                self.pinned.close()
             self.control.close()
             raise
         self._streams: List[mx.Stream] = []  # streams table calls were enqueued on
@@ -297,5 +307,9 @@ class TableCache(BudgetCache):
         try:
             self.synchronize()  # a GPU wait still enqueued is answered before the server stops
         finally:
-            self.server.close()
-            super().close()
+            try:
+                self.server.close()
+            finally:
+                if self.pinned is not None:  # no kernel reads them any more
+                    self.pinned.close()
+                super().close()

@@ -49,6 +49,7 @@ from .control_block import (
     MAX_SELECTIONS,
     META_CTRL,
     META_HINT,
+    META_SOURCES,
     META_STAGING,
     ControlBlock,
 )
@@ -69,13 +70,15 @@ def _meta(control: ControlBlock, staging: PinnedBuffer, layer: int) -> mx.array:
 
 def _make_meta(control: ControlBlock, staging: PinnedBuffer, layer: int) -> mx.array:
     """The kernels' view of a layer: its offsets in the control block (resolve_cuda.cuh reads
-    them by position), the control block's and the staging's device addresses, then where its
-    hint goes (hint_cuda.cuh)."""
+    them by position), the control block's and the staging's device addresses, where its
+    hint goes (hint_cuda.cuh), then with pinned files where each component's experts lie."""
     t = control.layers[layer]
     words = list(t.offsets)
     for ptr in (control.buffer.device_ptr, staging.device_ptr):
         words += [ptr & 0xFFFFFFFF, ptr >> 32]
     words += list(t.hint_offsets)
+    for ptr in t.sources.device_ptrs if t.sources is not None else []:  # from META_SOURCES
+        words += [ptr & 0xFFFFFFFF, ptr >> 32]
     meta = mx.array(np.array(words, np.uint32).view(np.int32))
     mx.eval(meta)
     return meta
@@ -172,17 +175,49 @@ def _index_array(a: mx.array) -> mx.array:
 COPY_GRID = dict(grid=(FILL_BLOCKS * FILL_THREADS, 1, 1), threadgroup=(FILL_THREADS, 1, 1))
 
 
+def _copy_line(i: int, nbytes: int, src: str, aligned: bool) -> str:
+    """Component ``i``'s copy (``nbytes`` from ``src``) into its pool slot ``d``."""
+    dst = f"const_cast<uint8_t*>(p{i}) + d * {nbytes}ll"
+    if aligned:
+        return f"    mf_copy_component<{nbytes}ll>({src}, {dst}, poison, gtid, gsize);\n"
+    # a safetensors file's tensors need not start 16-byte aligned: byte by byte
+    return (
+        f"    {{ const volatile uint8_t* sv = {src}; uint8_t* dv = {dst};\n"
+        f"      for (size_t i = gtid; i < size_t({nbytes}ll); i += gsize) "
+        "dv[i] = poison ? uint8_t(0xFF) : sv[i]; }\n"
+    )
+
+
 def _copy_kernel(
-    kind: str, first_inputs: list, output: str, blob_size: int, components: tuple, wait_s: float
+    kind: str,
+    first_inputs: list,
+    output: str,
+    blob_size: int,
+    components: tuple,
+    wait_s: float,
+    strides: Optional[tuple] = None,
 ):
     """A kernel copying expert blobs into pool slots (``fill_cuda.cuh``, ``write_cuda.cuh``), one
     per expert layout: the component offsets and sizes (``(offset, nbytes)`` each) are
-    compiled in."""
-    copies = "".join(
-        f"    mf_copy_component<{nbytes}ll>(s + {offset}, const_cast<uint8_t*>(p{i}) + d * "
-        f"{nbytes}ll, poison, gtid, gsize);\n"
-        for i, (offset, nbytes) in enumerate(components)
-    )
+    compiled in. ``strides`` (fill only): each component's ``(stride, aligned)`` in the pinned
+    expert files (``pinned_files``), whose addresses the meta holds: the copy list's sources
+    are then expert ids, not staging rows."""
+    if strides is None:
+        copies = "".join(
+            _copy_line(i, nbytes, f"s + {offset}", True)
+            for i, (offset, nbytes) in enumerate(components)
+        )
+    else:
+        copies = "".join(
+            _copy_line(
+                i,
+                nbytes,
+                f"mf_ptr<const uint8_t>(meta, {META_SOURCES + 2 * i}) + "
+                f"size_t(src[k]) * {stride}ll",
+                aligned,
+            )
+            for i, ((_, nbytes), (stride, aligned)) in enumerate(zip(components, strides))
+        )
     header = _header(wait_s) + _defines(BLOB=f"{blob_size}ll")
     body = load_source(f"{kind}_cuda.cuh").replace("MF_COPY_COMPONENTS", copies)
     return mx.fast.cuda_kernel(
@@ -195,8 +230,20 @@ def _copy_kernel(
 
 
 @functools.cache
-def _fill_kernel(blob_size: int, components: tuple, wait_s: float):
-    return _copy_kernel("fill", ["slots", "meta"], "out_slots", blob_size, components, wait_s)
+def _fill_kernel(blob_size: int, components: tuple, wait_s: float, strides=None):
+    return _copy_kernel(
+        "fill", ["slots", "meta"], "out_slots", blob_size, components, wait_s, strides
+    )
+
+
+def _source_strides(sources, layout: ExpertLayout) -> Optional[tuple]:
+    """``_copy_kernel``'s ``strides`` for a layer's pinned ``sources`` (None: none)."""
+    if sources is None:
+        return None
+    return tuple(
+        (stride, ptr % 16 == 0 and stride % 16 == 0 and c.nbytes % 16 == 0)
+        for ptr, stride, c in zip(sources.device_ptrs, sources.strides, layout.components)
+    )
 
 
 @functools.cache
@@ -251,7 +298,12 @@ class _Launches:
         # arguments only to tell MLX's kernel cache (by name) one signature from another.
         return cls(
             _meta(control, staging, layer),
-            _fill_kernel(layout.blob_size, _components(layout), wait_s),
+            _fill_kernel(
+                layout.blob_size,
+                _components(layout),
+                wait_s,
+                _source_strides(control.layers[layer].sources, layout),
+            ),
             dict(
                 template=[("N", n), ("IDX", indices.dtype), ("AFTER", after.dtype)],
                 grid=(threads, 1, 1),

@@ -14,7 +14,7 @@ import mmap
 import os
 import sys
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -127,6 +127,11 @@ class PackedLayer:
         """(fd, file offset, blob offset, bytes, what) of expert ``e``'s bytes."""
         return [(self.fd, int(e) * self.layout.blob_size, 0, self.layout.blob_size, self._what(e))]
 
+    def component_runs(self) -> List[Tuple[Path, int, int]]:
+        """Per layout component: (file, offset of expert 0's bytes, stride from one expert's to
+        the next's): where anyone mapping the file finds each expert's component."""
+        return [(self.path, c.offset, self.layout.blob_size) for c in self.layout.components]
+
     def read_mmap(self, experts: Sequence[int], out: np.ndarray) -> None:
         what = f"{self.path} (layer {self.layer})"
         _check_mapped(self.fd, self.layout.layer_bytes, what)
@@ -185,6 +190,10 @@ class SafetensorsLayer:
 
     def file_descriptors(self) -> Dict[Path, int]:
         return dict(self.fds)
+
+    def component_runs(self) -> List[Tuple[Path, int, int]]:
+        """As ``PackedLayer.component_runs``: each component's stacked tensor."""
+        return [(r.file, r.start, c.nbytes) for c, r in self.parts]
 
     def pieces(self, e: int):
         return [

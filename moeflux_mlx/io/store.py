@@ -170,6 +170,13 @@ class ExpertStore:
     def layout(self, layer: int) -> ExpertLayout:
         return self._source(layer).layout
 
+    def component_runs(self, layer: int) -> Optional[List[Tuple[Path, int, int]]]:
+        """Where each of ``layer``'s expert components lies in its file: (file, offset of expert
+        0's bytes, stride between experts) per component; None where a component is not one
+        run per expert (a tensor-parallel part of every expert)."""
+        runs = getattr(self._source(layer), "component_runs", None)
+        return runs() if runs is not None else None
+
     def check_experts(self, layer: int, experts: np.ndarray) -> None:
         n = self._source(layer).layout.num_experts
         experts = np.asarray(experts)

@@ -155,6 +155,7 @@ def patch_model(
     threads: Optional[int] = None,
     device_table: Optional[bool] = None,
     eviction: Optional[str] = None,
+    pin_experts: Optional[bool] = None,
     options: Optional[LoadOptions] = None,
 ) -> nn.Module:
     """Replace the routed experts of an mlx-lm ``model`` by streaming modules.
@@ -163,8 +164,8 @@ def patch_model(
         model: an mlx-lm model built by the user, e.g. ``mlx_lm.load(path, lazy=True)[0]`` (the
             experts' weights are then never read).
         source: a converted directory or the plain mlx-lm checkpoint the experts are read from.
-        expert_io, backend, cache_budget, prefetch, threads, device_table, eviction: see
-            ``LoadOptions``
+        expert_io, backend, cache_budget, prefetch, threads, device_table, eviction,
+            pin_experts: see ``LoadOptions``
             (None: from ``options``, else the ``MOEFLUX_*`` variables, else the default).
         options: all of them at once.
 
@@ -187,6 +188,7 @@ def patch_model(
             threads=threads,
             device_table=device_table,
             eviction=eviction,
+            pin_experts=pin_experts,
         ),
     )
     runtime = _make_runtime(source, opts)
@@ -210,6 +212,7 @@ def load(
     threads: Optional[int] = None,
     device_table: Optional[bool] = None,
     eviction: Optional[str] = None,
+    pin_experts: Optional[bool] = None,
     model_config: Optional[dict] = None,
     tokenizer_config: Optional[dict] = None,
     options: Optional[LoadOptions] = None,
@@ -229,6 +232,8 @@ def load(
             misses, for a helper process that reads them (default: on where CUDA is).
         eviction: which resident expert a miss replaces: ``transition`` (default),
             ``decay``, ``lru``, ``lfu``, ``lfuda`` or ``s3fifo`` (``cache.policy``).
+        pin_experts: CUDA: the GPU copies missed experts out of the expert files, page-locked
+            in RAM, instead of a helper process reading them (default: off).
         model_config, tokenizer_config: as for ``mlx_lm.load``.
         lazy: as for ``mlx_lm.load``: the dense weights are read when first used, not now.
         options: every load option at once (``LoadOptions``); keyword arguments given override it.
@@ -242,6 +247,8 @@ def load(
             a converted directory that does not match its config: ``LayoutError``).
         ExpertFileError: an expert file is missing, unreadable or of the wrong size.
         ValueError: a bad option (budget, backend).
+        DeviceSetupError: ``pin_experts`` could not page-lock the expert files (too large for
+            RAM, or refused by CUDA).
     """
     path = Path(path).expanduser()
     opts = _options(
@@ -254,6 +261,7 @@ def load(
             threads=threads,
             device_table=device_table,
             eviction=eviction,
+            pin_experts=pin_experts,
         ),
     )
     runtime = _make_runtime(path, opts)

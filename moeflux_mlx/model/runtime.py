@@ -74,6 +74,7 @@ def make_cache(
     Raises:
         ValueError: the budget is not one.
         DeviceWaitError: the device-side table's miss server did not start.
+        DeviceSetupError: ``pin_experts`` could not page-lock the expert files.
     """
     budget_bytes = parse_budget(options.cache_budget, layout.total_expert_bytes)
     # on Metal: pools + staging within the recommended working set, else macOS may page them out
@@ -92,6 +93,11 @@ def make_cache(
     table = use_table(options.device_table) and table_layers(
         layout, n_slots, options.table_every_layer
     )
+    if options.pin_experts and not table:
+        log.warning(
+            "pin_experts: no layer is looked up by the device-side table (CUDA, a partial "
+            "budget), so nothing is pinned"
+        )
     prefetcher = Prefetcher(store, stats) if options.prefetch else None
     cache: BudgetCache
     try:

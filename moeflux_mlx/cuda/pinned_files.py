@@ -1,0 +1,154 @@
+"""Expert files page-locked for the GPU: misses copied out of the page cache in place (CUDA).
+
+With ``LoadOptions.pin_experts`` the table layers' expert files are mapped read-only and
+registered with CUDA (``cudaHostRegister``, mapped + read-only), which faults every page in and
+keeps it in RAM. The fill kernel then copies a missed expert from its file straight into its
+slot over the bus (fill_cuda.cuh with the ``sources`` of ``table_kernels``), and the miss server
+only picks slots: no read into staging, no read threads, no round trip of the bytes through the
+server process. The copy list's sources are then expert ids instead of staging rows.
+
+Who writes what: nobody writes the mapped files' bytes; this process maps, registers, and
+unregisters them (``close``, after the last table call has finished).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterable, List
+
+import numpy as np
+import psutil
+
+from ..errors import DeviceSetupError
+from ..io.store import RAM_FRACTION, ExpertStore
+from .runtime import _cudart
+
+log = logging.getLogger(__name__)
+
+_MAPPED, _READ_ONLY = 0x02, 0x08  # cudaHostRegisterMapped, cudaHostRegisterReadOnly
+
+
+@dataclass
+class LayerSources:
+    """Where the GPU finds each expert component of one layer: a device address of expert 0's
+    bytes and the stride between experts, per component (in the layout's order); ``rows``: the
+    same bytes as host arrays ``[num_experts, nbytes]`` (what the CPU stand-in of the kernels
+    copies)."""
+
+    device_ptrs: List[int]
+    strides: List[int]
+    rows: List[np.ndarray]
+
+
+class _PinnedFile:
+    """One file mapped read-only and, where CUDA's runtime is, registered for the GPU."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self.map = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        except (OSError, ValueError) as e:
+            raise DeviceSetupError(f"{path}: cannot map the expert file to pin it: {e}") from e
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self.map, np.uint8)
+        self.device_ptr = 0  # none without CUDA: the CPU stand-in reads ``array``
+        self._registered = False
+        rt = _cudart()
+        if rt is None:
+            return
+        lib, host = rt[0], ctypes.c_void_p(self.array.ctypes.data)
+        err = lib.cudaHostRegister(host, ctypes.c_size_t(self.array.size), _MAPPED | _READ_ONLY)
+        if err:
+            self.close()
+            raise DeviceSetupError(
+                f"{path}: cudaHostRegister of the mapped expert file failed (error {err}); "
+                "load without pin_experts (MOEFLUX_PIN_EXPERTS=0)"
+            )
+        self._registered = True
+        dev = ctypes.c_void_p()
+        err = lib.cudaHostGetDevicePointer(ctypes.byref(dev), host, 0)
+        if err:
+            self.close()
+            raise DeviceSetupError(f"{path}: cudaHostGetDevicePointer failed (error {err})")
+        self.device_ptr = int(dev.value)
+
+    def close(self) -> None:
+        if self._registered:
+            self._registered = False
+            _cudart()[0].cudaHostUnregister(ctypes.c_void_p(self.array.ctypes.data))
+        self.array = np.empty(0, np.uint8)
+        try:
+            self.map.close()
+        except BufferError:  # a view is still alive somewhere: the GC unmaps it later
+            pass
+
+
+class PinnedExperts:
+    """The expert files of ``layers``, page-locked for the GPU; ``sources[layer]`` says where
+    each layer's experts lie. Layers whose components are not one run per expert (a
+    tensor-parallel part) are left out: the miss server reads those as before.
+
+    Raises:
+        DeviceSetupError: the files exceed 0.75 x RAM, or one cannot be mapped or registered
+            (the message names it); nothing stays mapped or registered then.
+    """
+
+    def __init__(self, store: ExpertStore, layers: Iterable[int]):
+        runs = {i: store.component_runs(i) for i in layers}
+        runs = {i: r for i, r in runs.items() if r is not None}
+        paths = sorted({p for r in runs.values() for p, _, _ in r})
+        total = sum(os.path.getsize(p) for p in paths)
+        ram = psutil.virtual_memory().total
+        if total > RAM_FRACTION * ram:
+            raise DeviceSetupError(
+                f"pin_experts: the expert files ({total / 1e9:.2f} GB) exceed {RAM_FRACTION} x "
+                f"RAM ({ram / 1e9:.2f} GB) and cannot all stay in memory; load without it "
+                "(MOEFLUX_PIN_EXPERTS=0)"
+            )
+        self.files: Dict[Path, _PinnedFile] = {}
+        try:
+            for p in paths:
+                self.files[p] = _PinnedFile(p)
+        except BaseException:
+            self.close()
+            raise
+        self.sources: Dict[int, LayerSources] = {}
+        for i, layer_runs in runs.items():
+            layout = store.layout(i)
+            self.sources[i] = LayerSources(
+                [self.files[p].device_ptr + off for p, off, _ in layer_runs],
+                [stride for _, _, stride in layer_runs],
+                [
+                    _rows(self.files[p].array, off, stride, c.nbytes, layout.num_experts)
+                    for (p, off, stride), c in zip(layer_runs, layout.components)
+                ],
+            )
+        log.info(
+            "pinned %d expert files (%.2f GB) for the GPU: %d layers' misses copied in place",
+            len(paths),
+            total / 1e9,
+            len(self.sources),
+        )
+
+    def close(self) -> None:
+        self.sources = {}
+        for f in self.files.values():
+            f.close()
+        self.files = {}
+
+
+def _rows(array: np.ndarray, offset: int, stride: int, nbytes: int, count: int) -> np.ndarray:
+    """``[count, nbytes]`` read-only rows of ``array``, ``stride`` apart from ``offset``."""
+    need = offset + (count - 1) * stride + nbytes
+    if array.size < need:
+        raise DeviceSetupError(f"an expert file holds {array.size} bytes, {need} needed")
+    return np.lib.stride_tricks.as_strided(
+        array[offset:], (count, nbytes), (stride, 1), writeable=False
+    )
