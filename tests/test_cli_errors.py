@@ -222,6 +222,13 @@ def test_options_are_read_in_one_place(monkeypatch):
     with pytest.raises(OptionError, match="MOEFLUX_WARM_READ_THREADS=-1: expected a whole"):
         LoadOptions.resolve(expert_io="mmap")
     assert LoadOptions.resolve(expert_io="mmap", warm_read_threads=2).warm_read_threads == 2
+    monkeypatch.delenv("MOEFLUX_WARM_READ_THREADS")
+    assert LoadOptions.resolve(expert_io="mmap").pin_experts is False  # off unless asked
+    monkeypatch.setenv("MOEFLUX_PIN_EXPERTS", "On")
+    assert LoadOptions.resolve(expert_io="mmap").pin_experts is True
+    monkeypatch.setenv("MOEFLUX_PIN_EXPERTS", "maybe")
+    with pytest.raises(OptionError, match="MOEFLUX_PIN_EXPERTS=maybe: expected one of"):
+        LoadOptions.resolve(expert_io="mmap")
 
 
 # --------------------------------------------------------------------------- 6. ~ in load()

@@ -192,26 +192,44 @@ def _server_read_ns(rt) -> int:
 
 @pytest.mark.parametrize("source", ["packed", "plain"])
 def test_pinned_files_decode_exactly_without_server_reads(
-    table_on_cpu, reference, tiny_checkpoints, source
+    table_on_cpu, reference, tiny_checkpoints, source, monkeypatch
 ):
     """pin_experts: the GPU copies each miss out of the page-locked expert files (a converted
-    layer file, or a plain checkpoint's stacked tensors): tokens as stock's, every slot holding
-    its expert, and the miss server only picking slots (its misses counted, no time reading)."""
+    layer file, or a plain checkpoint's stacked tensors), and a prefill's whole layers too:
+    tokens as stock's, every slot holding its expert, nothing read through the store, and the
+    miss server only picking slots (its misses counted, no time reading)."""
     packed, prompt, want, total = reference
     path = packed if source == "packed" else tiny_checkpoints["qwen3_moe"][0]
+    monkeypatch.setenv("MOEFLUX_PREFILL_WHOLE_LAYER", "1")  # the 7-token prompt's prefill
     model, _ = _load_streamed(path, total, pin_experts=True)
     with model.moeflux as rt:
         pinned = rt.cache.pinned
         assert pinned is not None and sorted(pinned.sources) == sorted(rt.cache.control.layers)
+        reads = []
+        read = rt.store.read
+        monkeypatch.setattr(rt.store, "read", lambda *a, **k: reads.append(a) or read(*a, **k))
         assert _greedy(model, prompt) == want
+        assert not reads  # the whole layers copied out of the pinned files, never read
+        monkeypatch.setattr(rt.store, "read", read)
         rt.stats_dict()
         t = rt.stats.total()
-        assert t.unsynced_calls > 0 and t.experts_missed > 0
+        assert t.unsynced_calls > 0 and t.experts_missed > 0 and t.experts_read > 0
         assert sum(int(x.stats[cb.S_MISSED]) for x in rt.cache.control.layers.values()) > 0
         assert _server_read_ns(rt) == 0
         assert _pool_holds_the_right_experts(rt)
         rt.cache.check()
     assert not pinned.files  # unmapped (and unregistered) with the model
+
+
+def test_pinning_without_the_table_says_so_and_pins_nothing(reference, caplog):
+    """Where no layer goes through the device-side table (the CPU here) nothing is pinned, and
+    the log says why instead of the option silently doing nothing."""
+    packed, prompt, want, total = reference
+    model, _ = _load_streamed(packed, total, pin_experts=True, device_table=False)
+    with model.moeflux as rt:
+        assert rt.cache.name != "table" and getattr(rt.cache, "pinned", None) is None
+        assert _greedy(model, prompt) == want
+    assert "pin_experts: no layer is looked up by the device-side table" in caplog.text
 
 
 def test_pinned_rows_are_the_store_s_bytes(tiny_checkpoints):

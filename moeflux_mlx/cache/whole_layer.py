@@ -20,6 +20,8 @@ Who writes what, and when:
 - Host-written pools (CPU, Metal) are filled by the read itself, into arrays the caller made for
   that layer; nothing writes them again.
 - The read thread is handed numpy views and addresses made by the caller; it never calls MLX.
+- A layer in ``pinned`` (CUDA, ``pin_experts``) is not read at all: ``take`` queues the GPU's
+  copy of it out of the page-locked expert files (nobody writes those) on the copy stream.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -61,6 +63,14 @@ def _stream(what: str) -> mx.Stream:
     if key not in _STREAMS:
         _STREAMS[key] = mx.new_stream(device)
     return _STREAMS[key]
+
+
+def wait_for_copies() -> None:
+    """Wait for what this module queued on the device's copy streams (before what they read
+    goes away)."""
+    for (what, _), stream in _STREAMS.items():
+        if what == "copy":
+            mx.synchronize(stream)
 
 
 @dataclass
@@ -105,6 +115,9 @@ class WholeLayerReads:
         self._host_buf: Optional[np.ndarray] = None  # host writes: the read's own buffer
         self.copies: Optional[RowCopies] = None if staging is None else staging.copies
         self._copy_buf: Optional[HostBuffer] = None  # copy engines: the reads' host buffer
+        # layer -> its every expert's components as device arrays, copied lazily out of the
+        # pinned expert files (set by the cache that pinned them, before the first prefill)
+        self.pinned: Dict[int, Callable[[], Dict[str, mx.array]]] = {}
 
     # -- buffers ---------------------------------------------------------------------------
 
@@ -226,6 +239,14 @@ class WholeLayerReads:
             ExpertReadError: the layer's read failed.
         """
         t0 = time.perf_counter()
+        if layer in self.pinned:
+            layout = self.store.layout(layer)
+            with mx.stream(_stream("copy")):  # beside the computation, not behind it
+                pool = _typed_pool(self.pinned[layer](), layout)
+            stats.experts_read += layout.num_experts
+            stats.bytes_read += layout.num_experts * layout.blob_size
+            stats.upload_s += time.perf_counter() - t0
+            return pool
         read = self._settle()
         if read is None or read.layer != layer:
             self._start_prepared(layer)
@@ -244,7 +265,7 @@ class WholeLayerReads:
     def ahead(self, layer: int) -> None:
         """Start reading ``layer`` in the background (nothing if reading ahead is off, or the
         layer would take more than ``READ_AHEAD_RAM_SHARE`` of the memory available)."""
-        if not self.read_ahead:
+        if not self.read_ahead or layer in self.pinned:  # a pinned layer is copied when taken
             return
         self._settle()
         layout = self.store.layout(layer)
@@ -258,33 +279,24 @@ class WholeLayerReads:
 
     @staticmethod
     def _pool(read: _Read, staging: Optional[DeviceStaging]) -> ExpertPool:
-        layout, n = read.layout, read.layout.num_experts
-
-        def typed(raw: Dict[str, mx.array]) -> Dict[str, mx.array]:
-            return {
-                c.name: raw[c.name].view(MX_DTYPES[c.dtype]).reshape(n, *c.shape)
-                for c in layout.components
-            }
-
+        layout = read.layout
         if read.dst is not None:  # copied by the read (copy engines)
             with mx.stream(_stream("copy")):
-                arrays = typed(read.dst)
-        elif read.staged is None:
+                return _typed_pool(read.dst, layout)
+        if read.staged is None:
             assert read.raw is not None
-            arrays = typed(read.raw)
-        else:
-            # beside the computation on the default stream, not behind it
-            assert staging is not None
-            with mx.stream(_stream("copy")):
-                staged = read.staged[: read.blobs.size].reshape(read.blobs.shape)
-                copied = None if staging.copy_layer is None else staging.copy_layer(staged, layout)
-                if copied is None:
-                    copied = {
-                        c.name: mx.contiguous(staged[:, c.offset : c.offset + c.nbytes])
-                        for c in layout.components
-                    }
-                arrays = typed(copied)
-        return ExpertPool(arrays, layout.quantization, layout.overrides)
+            return _typed_pool(read.raw, layout)
+        # beside the computation on the default stream, not behind it
+        assert staging is not None
+        with mx.stream(_stream("copy")):
+            staged = read.staged[: read.blobs.size].reshape(read.blobs.shape)
+            copied = None if staging.copy_layer is None else staging.copy_layer(staged, layout)
+            if copied is None:
+                copied = {
+                    c.name: mx.contiguous(staged[:, c.offset : c.offset + c.nbytes])
+                    for c in layout.components
+                }
+            return _typed_pool(copied, layout)
 
     def close(self) -> None:
         """Wait for a read under way and let go of the buffers."""
@@ -297,6 +309,15 @@ class WholeLayerReads:
         if self._copy_buf is not None:
             self._copy_buf.close()
             self._copy_buf = None
+
+
+def _typed_pool(raw: Dict[str, mx.array], layout: ExpertLayout) -> ExpertPool:
+    """A layer's every expert as a pool, from each component's ``[n, nbytes]`` uint8 array."""
+    n = layout.num_experts
+    arrays = {
+        c.name: raw[c.name].view(MX_DTYPES[c.dtype]).reshape(n, *c.shape) for c in layout.components
+    }
+    return ExpertPool(arrays, layout.quantization, layout.overrides)
 
 
 def _fill(store: ExpertStore, read: _Read, copies: Optional[RowCopies]) -> None:

@@ -28,6 +28,7 @@ SOURCE_FILES = (
     "write_cuda.cuh",
     "hint_cuda.cuh",
     "layer_copy_cuda.cuh",
+    "pinned_copy_cuda.cuh",
     *PRELUDE.values(),
     *ENTRY.values(),
     *METAL_SHIMS,

@@ -15,10 +15,12 @@ import hashlib
 from typing import Callable, Dict, Optional
 
 import mlx.core as mx
+import numpy as np
 
 from ..compute.kernel_source import load_source
 from ..format.layout import ExpertLayout
 from . import runtime
+from .pinned_files import LayerSources
 
 # blocks of THREADS threads: a few of an H100's 132 SMs. 0: MLX's copy kernel (every SM), kept
 # for benchmarks/probes/prefill_timeline_probe.py to compare against.
@@ -73,6 +75,54 @@ def _kernel(blob_size: int, parts: tuple):
         name=f"moeflux_layer_copy_{digest}",
         input_names=["blobs"],
         output_names=[f"o{i}" for i in range(len(parts))],
+        source=body,
+        header=header,
+    )
+
+
+def copy_pinned(sources: LayerSources, layout: ExpertLayout) -> Dict[str, mx.array]:
+    """Each component of a layer's every expert as a ``[n, nbytes]`` uint8 device array, copied
+    by ``LAYER_COPY_BLOCKS`` blocks straight out of the page-locked expert files
+    (``pinned_files``), with no host read; lazy, on the caller's stream. A component the kernel
+    cannot take (no CUDA, not 16-byte aligned, or ``LAYER_COPY_BLOCKS`` 0) is copied from the
+    files' host mapping instead.
+
+    Args:
+        sources: where the layer's components lie in the pinned files.
+        layout: the layer's expert layout.
+
+    Returns:
+        The arrays by component name.
+    """
+    n, out = layout.num_experts, {}
+    kernel = runtime.table_available() and LAYER_COPY_BLOCKS > 0
+    for c, ptr, stride, rows in zip(
+        layout.components, sources.device_ptrs, sources.strides, sources.rows
+    ):
+        if not (kernel and ptr and ptr % 16 == 0 and stride % 16 == 0 and c.nbytes % 16 == 0):
+            out[c.name] = mx.array(np.ascontiguousarray(rows))
+            continue
+        meta = mx.array(np.array([ptr & 0xFFFFFFFF, ptr >> 32], np.uint32).view(np.int32))
+        out[c.name] = _pinned_kernel()(
+            inputs=[meta],
+            template=[("N", n), ("NB", c.nbytes), ("STRIDE", stride)],
+            grid=(LAYER_COPY_BLOCKS * THREADS, 1, 1),
+            threadgroup=(THREADS, 1, 1),
+            output_shapes=[(n, c.nbytes)],
+            output_dtypes=[mx.uint8],
+        )[0]
+    return out
+
+
+@functools.cache
+def _pinned_kernel():
+    header = f"#define MF_DEPTH {DEPTH}\n"
+    body = load_source("pinned_copy_cuda.cuh")
+    digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
+    return mx.fast.cuda_kernel(
+        name=f"moeflux_pinned_copy_{digest}",
+        input_names=["meta"],
+        output_names=["out"],
         source=body,
         header=header,
     )

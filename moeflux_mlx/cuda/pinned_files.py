@@ -36,7 +36,8 @@ _MAPPED, _READ_ONLY = 0x02, 0x08  # cudaHostRegisterMapped, cudaHostRegisterRead
 @dataclass
 class LayerSources:
     """Where the GPU finds each expert component of one layer: a device address of expert 0's
-    bytes and the stride between experts, per component (in the layout's order); ``rows``: the
+    bytes (0 without CUDA) and the stride between experts, per component (in the layout's
+    order); ``rows``: the
     same bytes as host arrays ``[num_experts, nbytes]`` (what the CPU stand-in of the kernels
     copies)."""
 
@@ -123,7 +124,7 @@ class PinnedExperts:
         for i, layer_runs in runs.items():
             layout = store.layout(i)
             self.sources[i] = LayerSources(
-                [self.files[p].device_ptr + off for p, off, _ in layer_runs],
+                [_device_address(self.files[p], off) for p, off, _ in layer_runs],
                 [stride for _, _, stride in layer_runs],
                 [
                     _rows(self.files[p].array, off, stride, c.nbytes, layout.num_experts)
@@ -142,6 +143,11 @@ class PinnedExperts:
         for f in self.files.values():
             f.close()
         self.files = {}
+
+
+def _device_address(f: _PinnedFile, offset: int) -> int:
+    """The GPU's address of byte ``offset`` of ``f``; 0 where it has none (no CUDA)."""
+    return f.device_ptr + offset if f.device_ptr else 0
 
 
 def _rows(array: np.ndarray, offset: int, stride: int, nbytes: int, count: int) -> np.ndarray:

@@ -19,12 +19,14 @@ when they run (write_cuda.cuh).
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
 
+from ..cache import whole_layer
 from ..cache.budget import BudgetCache
 from ..cache.policy import POLICIES
 from ..cache.pool import DeviceStaging, ExpertPool, SlotPool, whole_blobs
@@ -33,7 +35,7 @@ from ..io.prefetch import Prefetcher
 from ..io.store import ExpertStore
 from ..options import LoadOptions
 from ..stats import LayerStats, Stats
-from . import table_kernels
+from . import layer_copy, table_kernels
 from .control_block import HOST_ADMIT, HOST_RELEASE, MAX_SELECTIONS, ControlBlock, TableLayer
 from .miss_client import MissServer
 from .pinned_files import PinnedExperts
@@ -94,6 +96,10 @@ class TableCache(BudgetCache):
                 self.pinned = PinnedExperts(store, self.control.layers)
                 for layer, sources in self.pinned.sources.items():
                     self.control.layers[layer].sources = sources
+                    # a prefill's whole layer: copied by the GPU out of the files, never read
+                    self.whole_reads.pinned[layer] = functools.partial(
+                        layer_copy.copy_pinned, sources, store.layout(layer)
+                    )
             # the server opens the same expert files itself
             self.server = MissServer(
                 self.control,
@@ -310,6 +316,7 @@ class TableCache(BudgetCache):
             try:
                 self.server.close()
             finally:
-                if self.pinned is not None:  # no kernel reads them any more
+                if self.pinned is not None:  # once no kernel reads them any more
+                    whole_layer.wait_for_copies()
                     self.pinned.close()
                 super().close()
