@@ -259,6 +259,23 @@ def test_pinning_more_than_ram_allows_fails_clearly(tiny_store, monkeypatch):
         PinnedExperts(store, layout.layers)
 
 
+def test_a_failure_while_pinning_leaves_nothing_mapped(tiny_store, monkeypatch):
+    """A layer that cannot be described after its files were mapped (and, on CUDA, registered)
+    fails the pinning in one error, with every file closed again."""
+    store, layout = tiny_store
+    closed = []
+    close = pinned_files._PinnedFile.close
+    monkeypatch.setattr(pinned_files._PinnedFile, "close", lambda f: closed.append(f) or close(f))
+
+    def bad_rows(*a):
+        raise DeviceSetupError("an expert file holds 1 bytes, 2 needed")
+
+    monkeypatch.setattr(pinned_files, "_rows", bad_rows)
+    with pytest.raises(DeviceSetupError, match="holds 1 bytes"):
+        PinnedExperts(store, layout.layers)
+    assert closed and all(f.array.size == 0 for f in closed)
+
+
 def test_the_server_names_experts_and_reads_nothing_for_pinned_layers(tiny_store, monkeypatch):
     """For a layer the GPU copies from pinned files the copy list's sources are the missed
     experts themselves, and the server answers without reading (its files could vanish)."""

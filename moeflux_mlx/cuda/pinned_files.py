@@ -53,7 +53,7 @@ class _PinnedFile:
         self.path = path
         fd = os.open(path, os.O_RDONLY)
         try:
-            self.map = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            self.map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)  # a read-only buffer too
         except (OSError, ValueError) as e:
             raise DeviceSetupError(f"{path}: cannot map the expert file to pin it: {e}") from e
         finally:
@@ -83,7 +83,14 @@ class _PinnedFile:
     def close(self) -> None:
         if self._registered:
             self._registered = False
-            _cudart()[0].cudaHostUnregister(ctypes.c_void_p(self.array.ctypes.data))
+            lib = _cudart()[0]
+            # every stream of the device, not only those its caller knows: no kernel may still
+            # be copying out of the file when its pages are unlocked and unmapped
+            lib.cudaDeviceSynchronize()
+            err = lib.cudaHostUnregister(ctypes.c_void_p(self.array.ctypes.data))
+            if err:  # still registered: unmapping would leave CUDA a stale range, so keep it
+                log.warning("%s: cudaHostUnregister failed (error %d); kept mapped", self.path, err)
+                return
         self.array = np.empty(0, np.uint8)
         try:
             self.map.close()
@@ -114,23 +121,23 @@ class PinnedExperts:
                 "(MOEFLUX_PIN_EXPERTS=0)"
             )
         self.files: Dict[Path, _PinnedFile] = {}
+        self.sources: Dict[int, LayerSources] = {}
         try:
             for p in paths:
                 self.files[p] = _PinnedFile(p)
-        except BaseException:
+            for i, layer_runs in runs.items():
+                layout = store.layout(i)
+                self.sources[i] = LayerSources(
+                    [_device_address(self.files[p], off) for p, off, _ in layer_runs],
+                    [stride for _, _, stride in layer_runs],
+                    [
+                        _rows(self.files[p].array, off, stride, c.nbytes, layout.num_experts)
+                        for (p, off, stride), c in zip(layer_runs, layout.components)
+                    ],
+                )
+        except BaseException:  # nothing stays registered
             self.close()
             raise
-        self.sources: Dict[int, LayerSources] = {}
-        for i, layer_runs in runs.items():
-            layout = store.layout(i)
-            self.sources[i] = LayerSources(
-                [_device_address(self.files[p], off) for p, off, _ in layer_runs],
-                [stride for _, _, stride in layer_runs],
-                [
-                    _rows(self.files[p].array, off, stride, c.nbytes, layout.num_experts)
-                    for (p, off, stride), c in zip(layer_runs, layout.components)
-                ],
-            )
         log.info(
             "pinned %d expert files (%.2f GB) for the GPU: %d layers' misses copied in place",
             len(paths),
@@ -139,6 +146,8 @@ class PinnedExperts:
         )
 
     def close(self) -> None:
+        for src in self.sources.values():  # drop the views, so the files unmap at once
+            src.rows.clear()
         self.sources = {}
         for f in self.files.values():
             f.close()

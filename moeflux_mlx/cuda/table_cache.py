@@ -318,5 +318,6 @@ class TableCache(BudgetCache):
             finally:
                 if self.pinned is not None:  # once no kernel reads them any more
                     whole_layer.wait_for_copies()
+                    self.whole_reads.pinned.clear()
                     self.pinned.close()
                 super().close()
