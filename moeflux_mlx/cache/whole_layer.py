@@ -65,14 +65,6 @@ def _stream(what: str) -> mx.Stream:
     return _STREAMS[key]
 
 
-def wait_for_copies() -> None:
-    """Wait for what this module queued on the device's copy streams (before what they read
-    goes away)."""
-    for (what, _), stream in _STREAMS.items():
-        if what == "copy":
-            mx.synchronize(stream)
-
-
 @dataclass
 class _Read:
     """One layer's read: where its bytes go, and the read itself once started."""

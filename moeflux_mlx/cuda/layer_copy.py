@@ -96,10 +96,10 @@ def copy_pinned(sources: LayerSources, layout: ExpertLayout) -> Dict[str, mx.arr
     """
     n, out = layout.num_experts, {}
     kernel = runtime.table_available() and LAYER_COPY_BLOCKS > 0
-    for c, ptr, stride, rows in zip(
-        layout.components, sources.device_ptrs, sources.strides, sources.rows
+    for k, (c, ptr, stride, rows) in enumerate(
+        zip(layout.components, sources.device_ptrs, sources.strides, sources.rows)
     ):
-        if not (kernel and ptr and ptr % 16 == 0 and stride % 16 == 0 and c.nbytes % 16 == 0):
+        if not (kernel and ptr and sources.aligned(k, c.nbytes)):
             out[c.name] = mx.array(np.ascontiguousarray(rows))
             continue
         meta = mx.array(np.array([ptr & 0xFFFFFFFF, ptr >> 32], np.uint32).view(np.int32))

@@ -26,11 +26,9 @@ import psutil
 
 from ..errors import DeviceSetupError
 from ..io.store import RAM_FRACTION, ExpertStore
-from .runtime import _cudart
+from .runtime import PORTABLE_MAPPED, READ_ONLY, _cudart, register_host
 
 log = logging.getLogger(__name__)
-
-_MAPPED, _READ_ONLY = 0x02, 0x08  # cudaHostRegisterMapped, cudaHostRegisterReadOnly
 
 
 @dataclass
@@ -44,6 +42,11 @@ class LayerSources:
     device_ptrs: List[int]
     strides: List[int]
     rows: List[np.ndarray]
+
+    def aligned(self, k: int, nbytes: int) -> bool:
+        """Whether component ``k`` (``nbytes`` an expert) can be copied in 16-byte words: its
+        address, its stride and its size all multiples of 16."""
+        return self.device_ptrs[k] % 16 == 0 and self.strides[k] % 16 == 0 and nbytes % 16 == 0
 
 
 class _PinnedFile:
@@ -61,24 +64,20 @@ class _PinnedFile:
         self.array = np.frombuffer(self.map, np.uint8)
         self.device_ptr = 0  # none without CUDA: the CPU stand-in reads ``array``
         self._registered = False
-        rt = _cudart()
-        if rt is None:
+        if _cudart() is None:
             return
-        lib, host = rt[0], ctypes.c_void_p(self.array.ctypes.data)
-        err = lib.cudaHostRegister(host, ctypes.c_size_t(self.array.size), _MAPPED | _READ_ONLY)
-        if err:
-            self.close()
-            raise DeviceSetupError(
-                f"{path}: cudaHostRegister of the mapped expert file failed (error {err}); "
-                "load without pin_experts (MOEFLUX_PIN_EXPERTS=0)"
+        try:
+            self.device_ptr = register_host(
+                self.array.ctypes.data,
+                self.array.size,
+                PORTABLE_MAPPED | READ_ONLY,
+                f"the mapped expert file {path}",
+                "; load without pin_experts (MOEFLUX_PIN_EXPERTS=0)",
             )
-        self._registered = True
-        dev = ctypes.c_void_p()
-        err = lib.cudaHostGetDevicePointer(ctypes.byref(dev), host, 0)
-        if err:
+        except BaseException:
             self.close()
-            raise DeviceSetupError(f"{path}: cudaHostGetDevicePointer failed (error {err})")
-        self.device_ptr = int(dev.value)
+            raise
+        self._registered = True
 
     def close(self) -> None:
         if self._registered:

@@ -107,28 +107,55 @@ class PinnedBuffer(SharedMapping):
         super().__init__(nbytes)
         self.device_ptr = 0
         self._registered = False
-        rt = _cudart()
-        if rt is None:
+        if _cudart() is None:
             return
-        lib = rt[0]
-        ptr = ctypes.c_void_p(self.array.ctypes.data)
-        err = lib.cudaHostRegister(ptr, ctypes.c_size_t(len(self.map)), 3)  # portable | mapped
-        if err:
+        try:
+            self.device_ptr = register_host(
+                self.array.ctypes.data, len(self.map), PORTABLE_MAPPED, f"{nbytes} bytes"
+            )
+        except BaseException:
             super().close()
-            raise DeviceSetupError(f"cudaHostRegister of {nbytes} bytes failed (error {err})")
+            raise
         self._registered = True
-        dev = ctypes.c_void_p()
-        err = lib.cudaHostGetDevicePointer(ctypes.byref(dev), ptr, 0)
-        if err:
-            self.close()
-            raise DeviceSetupError(f"cudaHostGetDevicePointer failed (error {err})")
-        self.device_ptr = int(dev.value)
 
     def close(self) -> None:
         if self._registered:
             self._registered = False
             _cudart()[0].cudaHostUnregister(ctypes.c_void_p(self.array.ctypes.data))
         super().close()
+
+
+PORTABLE_MAPPED = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
+READ_ONLY = 0x08  # cudaHostRegisterReadOnly
+
+
+def register_host(ptr: int, nbytes: int, flags: int, what: str, advice: str = "") -> int:
+    """Page-lock ``nbytes`` of host memory at ``ptr`` for the GPU (``cudaHostRegister`` with
+    ``flags``, mapped among them); needs CUDA's runtime (``cuda_runtime_available``).
+
+    Args:
+        ptr, nbytes: the memory.
+        flags: ``cudaHostRegister``'s flags (``PORTABLE_MAPPED``, ``READ_ONLY``).
+        what: what the memory is, for the error.
+        advice: appended to the error (what the user can do instead).
+
+    Returns:
+        The memory's device address.
+
+    Raises:
+        DeviceSetupError: CUDA refused; nothing stays registered.
+    """
+    lib = _cudart()[0]
+    host = ctypes.c_void_p(ptr)
+    err = lib.cudaHostRegister(host, ctypes.c_size_t(nbytes), flags)
+    if err:
+        raise DeviceSetupError(f"cudaHostRegister of {what} failed (error {err}){advice}")
+    dev = ctypes.c_void_p()
+    err = lib.cudaHostGetDevicePointer(ctypes.byref(dev), host, 0)
+    if err:
+        lib.cudaHostUnregister(host)
+        raise DeviceSetupError(f"cudaHostGetDevicePointer of {what} failed (error {err})")
+    return int(dev.value)
 
 
 def host_array(shape) -> mx.array:

@@ -26,7 +26,6 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from ..cache import whole_layer
 from ..cache.budget import BudgetCache
 from ..cache.policy import POLICIES
 from ..cache.pool import DeviceStaging, ExpertPool, SlotPool, whole_blobs
@@ -316,8 +315,7 @@ class TableCache(BudgetCache):
             try:
                 self.server.close()
             finally:
-                if self.pinned is not None:  # once no kernel reads them any more
-                    whole_layer.wait_for_copies()
+                if self.pinned is not None:  # it waits for every kernel that reads them
                     self.whole_reads.pinned.clear()
                     self.pinned.close()
                 super().close()

@@ -241,8 +241,8 @@ def _source_strides(sources, layout: ExpertLayout) -> Optional[tuple]:
     if sources is None:
         return None
     return tuple(
-        (stride, ptr % 16 == 0 and stride % 16 == 0 and c.nbytes % 16 == 0)
-        for ptr, stride, c in zip(sources.device_ptrs, sources.strides, layout.components)
+        (stride, sources.aligned(k, c.nbytes))
+        for k, (stride, c) in enumerate(zip(sources.strides, layout.components))
     )
 
 
