@@ -36,7 +36,11 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--rounds", type=int, default=3, help="37 + 3 split prefills")
     args = parser.parse_args(argv)
-    root = Path(tempfile.mkdtemp(prefix="qmm-oob-"))
+    with tempfile.TemporaryDirectory(prefix="qmm-oob-") as tmp:
+        run(Path(tmp), args)
+
+
+def run(root: Path, args: argparse.Namespace) -> None:
     arches = ["qwen3_moe"] if args.only_qwen else list(synth.ARCHITECTURES)
     checkpoints = {}
     for arch in arches:
