@@ -316,10 +316,12 @@ def run_budget(path: Path, fraction: float, ids: List[int], args) -> List[Dict]:
     print(f"  budget {fraction:g}: prefilled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     runs: Dict[int, List[Dict]] = {k: [] for k in configs}
     try:
-        # warm-up: kernels of these shapes (a pass's length varies: long enough to meet most),
-        # the allocator, the cache's fill
+        # warm-up: the timed runs themselves once (greedy: the same tokens, so the same passes),
+        # since each pass length and draft count met for the first time compiles kernels of its
+        # own (a 32-token warm-up left seconds of NVRTC in the first timed K=2 run on an H200);
+        # also the allocator and the cache's fill
         for k in configs:
-            decode(model, prefilled, files, ids, min(32, args.decode_tokens), k, args.ngram, False)
+            decode(model, prefilled, files, ids, args.decode_tokens, k, args.ngram, False)
         for r in range(args.repeats):
             order = configs[r % len(configs) :] + configs[: r % len(configs)]
             for k in order:
