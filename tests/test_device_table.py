@@ -361,6 +361,33 @@ def test_a_short_call_goes_a_token_at_a_time_only_while_verifying_drafts(table_o
         assert waves.unsynced_calls == waves.calls == waves.tokens == 3 * whole.calls
 
 
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_pass_whose_selections_fit_the_slots_is_one_table_call(table_on_cpu, reference, pinned):
+    """A speculative pass whose tokens' selections all fit a layer's slots (and what one answer
+    copies: the staging's rows, or with pinned files the copy list) is one table call a layer,
+    its union admitted at once, with the logits of the same call computed outside speculation."""
+    packed, _, _, total = reference
+    # top-4: 2 tokens fit the staging's 8 rows; pinned, 3 tokens fit the copy list
+    x = mx.array([[17, 3, 41]]) if pinned else mx.array([[17, 3]])
+    model, _ = _load_streamed(packed, total, 0.8, pin_experts=pinned)
+    with model.moeflux as rt:
+        want = model(x)
+        mx.eval(want)
+        rt.stats_dict()
+        outside = rt.stats.total()
+        assert outside.unsynced_calls == 0  # outside speculation: the synced path
+        rt.reset_stats()
+        with rt.verifying_drafts():
+            got = model(x)
+        mx.eval(got)
+        rt.stats_dict()
+        whole = rt.stats.total()
+        assert whole.unsynced_calls == whole.calls == outside.calls  # one call a layer
+        assert whole.tokens == x.size * whole.calls
+        assert mx.array_equal(got, want).item()
+        rt.cache.check()
+
+
 def test_all_mode_looks_up_fully_cached_layers_without_misses(table_on_cpu, reference):
     """``table_every_layer`` (the benchmark's measure of the lookup alone): every layer goes
     through the table, is filled whole on first use, and decode never misses."""

@@ -6,7 +6,8 @@ they live in. Whether a host sync, the device-side table or full residency answe
 cache's business. Then ``computed(out)`` tells the cache which computation reads those slots, so
 that no later write overtakes it. Before them, for a call verifying draft tokens
 (``StreamingRuntime.verifying_drafts``), ``waves(layer, indices)`` may split it into a lookup and
-a computation per token (the device-side table serves such a pass so).
+a computation per token (the device-side table serves such a pass so, unless its selections
+all fit the layer's slots at once: then the lookup that follows serves it as one call).
 """
 
 from __future__ import annotations

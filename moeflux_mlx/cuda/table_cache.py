@@ -6,7 +6,9 @@ which owns those layers' eviction policy (``miss_client``, ``miss_server``). A s
 call verifying draft tokens (``StreamingRuntime.verifying_drafts``) is served the same way a token
 at a time (``waves``): its first token announces every token's experts, so the server reads the pass's
 union at once and keeps its resident experts until the last token, and no host sync is needed
-however many experts the pass routes to. Synced calls (prefill) ask the server to admit experts
+however many experts the pass routes to. A pass whose selections all fit the layer's slots and
+one answer's copies is one table call instead, as an all-resident pass is (``_fits_whole``).
+Synced calls (prefill) ask the server to admit experts
 into the same table and write the bytes themselves, in place. Fully cached layers stay as in
 ``BudgetCache`` (slot == expert id), unless ``every_layer`` (benchmarks: the cost of the lookup
 itself).
@@ -119,6 +121,7 @@ class TableCache(BudgetCache):
         self._last_table_out: Optional[mx.array] = None  # see resolve's ``after``
         self._table_call = False  # whether the last lookup went through the table
         self._enqueued = False  # whether a table call was enqueued since ``synchronize``
+        self._whole_pass: Optional[int] = None  # the layer whose pass ``waves`` left whole
 
     def _table(self, layer: int) -> Optional[TableLayer]:
         return self.control.layers.get(layer)
@@ -203,7 +206,8 @@ class TableCache(BudgetCache):
             self._table_call = False
             return super().lookup(layer, x, indices, stats)
         self.begin_call(layer)
-        if self.server.read_ahead and self.predictor is not None:
+        whole = indices.size != indices.shape[-1]  # a speculative pass served as one call
+        if self.server.read_ahead and self.predictor is not None and not whole:
             ahead = self.predictor(layer, x, indices.shape[-1])
             if ahead is not None and self._table(ahead[0]) is not None:  # the server reads ahead
                 indices = self._hint(ahead[0], indices, ahead[1])
@@ -211,14 +215,16 @@ class TableCache(BudgetCache):
         self._table_call = True
         stats.calls += 1
         stats.unsynced_calls += 1
-        stats.tokens += 1
-        stats.experts_routed += indices.shape[-1]
+        stats.tokens += indices.size // indices.shape[-1]
+        stats.experts_routed += indices.size
         return slots, pool
 
     def waves(self, layer: int, indices: mx.array) -> Optional[List[mx.array]]:
         """A speculative pass's call on a table layer (2 or more tokens, all their selections
         within a hint) as one table call per token, the first announcing every token's experts
-        (``table_kernels.hint``); None for any other call.
+        (``table_kernels.hint``); None for any other call, and for a pass whose selections
+        all fit the layer's slots and the copy list at once (``_fits_whole``), which
+        ``lookup`` then serves as one table call.
 
         The hint has no ``after`` edge: of forward passes built and evaluated together, a later
         one's hint may run before an earlier one's calls of the layer end, and then covers the
@@ -231,6 +237,9 @@ class TableCache(BudgetCache):
         if not 2 <= n <= MAX_WAVES or n * k > MAX_SELECTIONS:
             return None
         if not table_kernels.fits(k, self.n_slots[layer]):
+            return None
+        if self._fits_whole(layer, indices):
+            self._whole_pass = layer
             return None
         rows = indices.reshape(n, k)
         self._enqueued = True
@@ -246,12 +255,27 @@ class TableCache(BudgetCache):
             super().computed(out)
 
     def _serves(self, layer: int, indices: mx.array) -> bool:
-        """Decode calls (one token) of table layers."""
+        """Decode calls (one token) of table layers, and a speculative pass ``waves`` left
+        whole."""
         if self._table(layer) is None:
             return False
+        if self._whole_pass == layer:
+            self._whole_pass = None
+            return True
         return indices.size == indices.shape[-1] and table_kernels.fits(
             indices.size, self.n_slots[layer]
         )
+
+    def _fits_whole(self, layer: int, indices: mx.array) -> bool:
+        """Whether a pass's selections (duplicates counted) fit the layer's slots and what one
+        answer can copy: the copy list with pinned files, else the staging's rows. Then one
+        table call serves the pass: its union is admitted at once, and the expert kernels run
+        once for all its tokens, as for an all-resident pass."""
+        if not table_kernels.fits(indices.size, self.n_slots[layer]):
+            return False
+        if self.control.layers[layer].sources is not None:
+            return True
+        return indices.size <= table_kernels.staging_rows(indices.shape[-1])
 
     def _staging_for(self, layer: int, top_k: int) -> PinnedBuffer:
         return self.server.staging_for(
@@ -279,7 +303,7 @@ class TableCache(BudgetCache):
             self._streams.append(stream)
         slots = table_kernels.resolve(
             self.control,
-            self._staging_for(layer, indices.shape[-1]),
+            self._staging_for(layer, indices.shape[-1]),  # a whole pass fits it (_fits_whole)
             layer,
             indices,
             pool.raw,
