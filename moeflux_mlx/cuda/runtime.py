@@ -95,6 +95,10 @@ def host_staging(shape) -> Optional[mx.array]:
     return arr
 
 
+PORTABLE_MAPPED = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
+READ_ONLY = 0x08  # cudaHostRegisterReadOnly
+
+
 class PinnedBuffer(SharedMapping):
     """Shared memory (``SharedMapping``: another process can map it too) that is
     page-locked and mapped for the GPU (``cudaHostRegister``), outside MLX's allocator: a numpy
@@ -123,10 +127,6 @@ class PinnedBuffer(SharedMapping):
             self._registered = False
             _cudart()[0].cudaHostUnregister(ctypes.c_void_p(self.array.ctypes.data))
         super().close()
-
-
-PORTABLE_MAPPED = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
-READ_ONLY = 0x08  # cudaHostRegisterReadOnly
 
 
 def register_host(ptr: int, nbytes: int, flags: int, what: str, advice: str = "") -> int:
