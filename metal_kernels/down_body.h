@@ -26,9 +26,9 @@
 
   const int sub = MF_LANE % LPR;
   const int rg = MF_WARP * RGW + MF_LANE / LPR;
-  auto wa_p = wd + slot * wd_strides[0];
-  auto sa_p = sd + slot * sd_strides[0];
-  auto ba_p = bd + slot * bd_strides[0];
+  auto wa_p = MF_EXPERT(wd, wd_strides, 0);
+  auto sa_p = MF_EXPERT(sd, sd_strides, 1);
+  auto ba_p = MF_EXPERT(bd, bd_strides, 2);
   const long wa_r = wd_strides[1], sa_r = sd_strides[1], ba_r = bd_strides[1];
   const long mf_wsa = wd_strides[2], sa_c = sd_strides[2], ba_c = bd_strides[2];
   const bool mf_vec = mf_wsa == 1 && (wa_r % 4) == 0 && mf_aligned16(wa_p);

@@ -26,12 +26,12 @@
 
   const int sub = MF_LANE % LPR;
   const int rg = MF_WARP * RGW + MF_LANE / LPR;
-  auto wa_p = wg + slot * wg_strides[0];
-  auto wb_p = wu + slot * wu_strides[0];
-  auto sa_p = sg + slot * sg_strides[0];
-  auto sb_p = su + slot * su_strides[0];
-  auto ba_p = bg + slot * bg_strides[0];
-  auto bb_p = bu + slot * bu_strides[0];
+  auto wa_p = MF_EXPERT(wg, wg_strides, 0);
+  auto wb_p = MF_EXPERT(wu, wu_strides, 3);
+  auto sa_p = MF_EXPERT(sg, sg_strides, 1);
+  auto sb_p = MF_EXPERT(su, su_strides, 4);
+  auto ba_p = MF_EXPERT(bg, bg_strides, 2);
+  auto bb_p = MF_EXPERT(bu, bu_strides, 5);
   const long wa_r = wg_strides[1], wb_r = wu_strides[1];
   const long sa_r = sg_strides[1], sb_r = su_strides[1], ba_r = bg_strides[1], bb_r = bu_strides[1];
   const long mf_wsa = wg_strides[2], mf_wsb = wu_strides[2];

@@ -32,3 +32,7 @@ template <> MF_INLINE __nv_bfloat16 mf_cvt<__nv_bfloat16>(float v) { return __fl
 template <typename P> MF_INLINE bool mf_aligned16(P p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
+
+// a slot naming an expert outside the pool (top bit set: IN_PLACE_BIT of cache.pool), whether
+// the slots come as uint32 or int32
+MF_INLINE bool mf_in_place(long slot) { return slot < 0 || slot >= 0x80000000L; }

@@ -6,6 +6,7 @@
   // Inputs: inds [..., K] (N in all; uint32 or int32, read through its strides: the router's
   // slice as it is), meta (offsets and addresses, see device_table.py), after (unread, any
   // dtype: the previous table call's output, an edge that orders this call after it).
+  // Template: N, IN_PLACE (0/1, see below), and the input dtypes.
   // Output: slots [N + 1]; slots[N] is this call's request number, 0 when nothing was missed
   // (fill copies only for a request of its own call). The GPU never writes a word the server
   // writes (control_block.py), except last_used.
@@ -56,10 +57,16 @@
   if (t < N) {
     int s = bad ? -1 : mf_ld_acquire(c + tab + e);
     // absent only after a fault (flagged above), or in a call that asked nothing, for a failed
-    // read's slot freed since it looked (that read's error is flagged): the host raises either
-    if (s < 0) s = 0;
-    slots[t] = uint32_t(s);
-    mf_st_relaxed(c + last + s, tick);
+    // read's slot freed since it looked (that read's error is flagged): the host raises either.
+    // With IN_PLACE (a pass larger than the slots, on pinned expert files) an expert the server
+    // left out of the slots is read where it lies: its id with the top bit (cache.pool).
+    if (s < 0 && IN_PLACE && !bad) {
+      slots[t] = 0x80000000u | uint32_t(e);
+    } else {
+      if (s < 0) s = 0;
+      slots[t] = uint32_t(s);
+      mf_st_relaxed(c + last + s, tick);
+    }
   }
   if (t == 0) slots[N] = uint32_t(seq);
   __syncthreads();

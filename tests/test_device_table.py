@@ -19,12 +19,13 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 import moeflux_mlx
-from moeflux_mlx.cache.pool import host_view
+from moeflux_mlx.cache.pool import IN_PLACE_BIT, InPlaceExperts, host_view
 from moeflux_mlx.cuda import control_block as cb
 from moeflux_mlx.cuda import pinned_files
 from moeflux_mlx.cuda import runtime as cuda_runtime
 from moeflux_mlx.cuda import table_kernels as tk
 from moeflux_mlx.cuda.miss_client import MissServer
+from moeflux_mlx.cuda.miss_server import within_slots
 from moeflux_mlx.cuda.pinned_files import PinnedExperts
 from moeflux_mlx.cuda.runtime import PinnedBuffer
 from moeflux_mlx.errors import DeviceSetupError, DeviceWaitError, ExpertReadError
@@ -44,7 +45,9 @@ def _wait_answer(control, i, seq, timeout=10):
 ANSWER_LAG_S = 0.0  # how long the stand-in takes to read its slots again after looking (and asking)
 
 
-def reference_resolve(control, staging, layer, indices, raw, layout, wait_s, after=None):
+def reference_resolve(
+    control, staging, layer, indices, raw, layout, wait_s, after=None, in_place=False
+):
     """What resolve_cuda.cuh + fill_cuda.cuh do, eagerly, from the main thread."""
     if after is not None:  # the kernel's edge: it runs after that computation
         mx.eval(after)
@@ -62,11 +65,13 @@ def reference_resolve(control, staging, layer, indices, raw, layout, wait_s, aft
         _wait_answer(control, i, seq)
     time.sleep(ANSWER_LAG_S)
     slots = t.slot_of[inds].copy()  # read again, as the kernel does
+    outside = (slots < 0) & in_place  # left out of the slots: read where it lies
     # an answer's slots stay until the call ends; a call that asked nothing may find a failed
     # read's slot freed since it looked (the kernel takes slot 0: that pass raises)
-    assert (slots >= 0).all() or (not seq and control.globals[cb.G_ERRORS])
+    assert (slots[~outside] >= 0).all() or (not seq and control.globals[cb.G_ERRORS])
     slots = np.maximum(slots, 0)
-    t.last_used[slots] = tick
+    t.last_used[slots[~outside]] = tick
+    slots[outside] = IN_PLACE_BIT | inds[outside]
     control.ticks[i] = calls  # the end of resolve; fill, a kernel of its own, runs after
     if seq:
         n, poison = int(t.header[cb.H_NCOPY]), bool(t.header[cb.H_ERR])
@@ -296,48 +301,92 @@ def test_the_server_names_experts_and_reads_nothing_for_pinned_layers(tiny_store
         server.close()
 
 
-@pytest.mark.parametrize("pinned", [False, True])
-def test_speculative_passes_go_through_the_table_a_token_at_a_time(table_on_cpu, reference, pinned):
+def _speculate(model, tokenizer, rt):
+    """Prompt-lookup decoding of a repetitive prompt (passes of 3-5 tokens) after a synced
+    prefill, checked against plain decoding: the same tokens (and, on the CPU, log-probs);
+    returns the counters of the lookup decoding alone."""
+    prompt = mx.array(tokenizer.encode("the quick brown fox jumps over the lazy dog " * 3))
+    want = [
+        (int(t), lp) for (t, lp), _ in zip(generate_step(prompt, model, max_tokens=24), range(24))
+    ]
+    cache = make_prompt_cache(model)
+    model(prompt[None, :-1], cache=cache)  # the prefill: synced
+    mx.eval([c.state for c in cache])
+    rt.reset_stats()
+    stats = LookupStats()
+    got = list(
+        lookup_generate_step(
+            prompt[-1:],
+            model,
+            num_draft_tokens=4,
+            max_tokens=24,
+            prompt_cache=cache,
+            context=prompt[:-1].tolist(),
+            stats=stats,
+        )
+    )
+    assert [t for t, *_ in got] == [t for t, _ in want]
+    if mx.default_device() == mx.cpu:  # a GPU rounds a batch's rows unlike one row's
+        for (_, g, _), (_, w) in zip(got, want):
+            assert mx.array_equal(g, w).item()
+    assert stats.proposed > 0 and stats.steps < 24
+    rt.stats_dict()
+    t = rt.stats.total()
+    assert t.calls == t.unsynced_calls  # no host sync, passes included
+    assert _pool_holds_the_right_experts(rt)
+    assert rt.cache.control.fault() is None and not rt.cache.control.globals[cb.G_ERRORS]
+    return t
+
+
+def test_a_request_beyond_the_slots_keeps_the_resident_then_the_earliest_absent():
+    """A pass naming more experts than the slots (pinned files): every resident one keeps its
+    slot, the absent ones fill the rest in the order the request names them, and the others are
+    read in place; duplicates count once."""
+    slot_of = np.full(10, -1)
+    slot_of[[4, 7]] = [0, 1]
+    request = np.array([9, 4, 2, 9, 7, 5, 1, 2])  # tokens' selections, in order
+    kept, outside = within_slots(request, slot_of, 4)
+    assert kept.tolist() == [2, 4, 7, 9] and outside.tolist() == [5, 1]
+    kept, outside = within_slots(request, slot_of, 2)  # the slots hold the resident alone
+    assert kept.tolist() == [4, 7] and outside.tolist() == [9, 2, 5, 1]
+
+
+def test_speculative_passes_go_through_the_table_a_token_at_a_time(table_on_cpu, reference):
     """Prompt-lookup passes of 3-5 tokens at a budget whose slots (4 of 16 experts, top-4) their
     union outgrows: served by the table a token at a time, with no host sync, the union announced
-    to the miss server by the first token (read ahead, or with pinned files copied by the GPU
-    when asked); tokens and log-probs as plain decoding's."""
+    to the miss server by the first token and read ahead; tokens and log-probs as plain
+    decoding's."""
     packed, _, _, total = reference
-    model, tokenizer = _load_streamed(packed, total, pin_experts=pinned)
-    prompt = mx.array(tokenizer.encode("the quick brown fox jumps over the lazy dog " * 3))
+    model, tokenizer = _load_streamed(packed, total)
     with model.moeflux as rt:
-        want = [
-            (int(t), lp)
-            for (t, lp), _ in zip(generate_step(prompt, model, max_tokens=24), range(24))
-        ]
-        cache = make_prompt_cache(model)
-        model(prompt[None, :-1], cache=cache)  # the prefill: synced
-        mx.eval([c.state for c in cache])
-        rt.reset_stats()
-        stats = LookupStats()
-        got = list(
-            lookup_generate_step(
-                prompt[-1:],
-                model,
-                num_draft_tokens=4,
-                max_tokens=24,
-                prompt_cache=cache,
-                context=prompt[:-1].tolist(),
-                stats=stats,
-            )
-        )
-        assert [t for t, *_ in got] == [t for t, _ in want]
-        if mx.default_device() == mx.cpu:  # a GPU rounds a batch's rows unlike one row's
-            for (_, g, _), (_, w) in zip(got, want):
-                assert mx.array_equal(g, w).item()
-        assert stats.proposed > 0 and stats.steps < 24
-        rt.stats_dict()
-        t = rt.stats.total()
-        assert t.calls == t.unsynced_calls  # no host sync, passes included
+        t = _speculate(model, tokenizer, rt)
         assert t.calls == t.tokens  # every call of one token: the passes went token by token
-        assert t.experts_missed > 0 and (pinned or t.prefetch_issued > 0)  # union read ahead
-        assert _pool_holds_the_right_experts(rt)
-        assert rt.cache.control.fault() is None and not rt.cache.control.globals[cb.G_ERRORS]
+        assert t.experts_missed > 0 and t.prefetch_issued > 0  # union read ahead
+
+
+def test_pinned_passes_outgrowing_the_slots_are_one_call_the_rest_read_in_place(
+    table_on_cpu, reference, monkeypatch
+):
+    """With pinned expert files the same passes are one table call a layer: the server admits
+    what the 4 slots hold, resident experts first, and the expert computation reads the rest of
+    the union where it lies (``InPlaceExperts``); tokens as plain decoding's."""
+    packed, _, _, total = reference
+    outside = []
+    gathered = InPlaceExperts.gathered
+
+    def counting(self, pool, slots):
+        out = gathered(self, pool, slots)
+        outside.append(int((np.array(slots).astype(np.int64) & IN_PLACE_BIT != 0).sum()))
+        return out
+
+    monkeypatch.setattr(InPlaceExperts, "gathered", counting)
+    model, tokenizer = _load_streamed(packed, total, pin_experts=True)
+    with model.moeflux as rt:
+        assert sorted(rt.cache.in_place) == sorted(rt.cache.control.layers)
+        t = _speculate(model, tokenizer, rt)
+        assert t.calls < t.tokens  # passes went whole
+        assert outside and sum(outside) > 0  # some experts were read where they lie
+        assert t.experts_missed > 0
 
 
 def test_a_short_call_goes_a_token_at_a_time_only_while_verifying_drafts(table_on_cpu, reference):

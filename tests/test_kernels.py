@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.switch_layers import SwiGLU
 
-from moeflux_mlx.cache.pool import ExpertPool
+from moeflux_mlx.cache.pool import IN_PLACE_BIT, ExpertPool, InPlaceExperts
 from moeflux_mlx.compute import kernel_source
 from moeflux_mlx.compute import kernels as K
 from moeflux_mlx.compute.ops import OpsBackend
@@ -676,6 +676,80 @@ def test_backend_routing_and_fallback_cpu():
     if DIALECT is None:  # here nothing is available: even covered calls fall back, exactly
         assert "not available" in kb.route(x1, s1, pool4, SwiGLU())
         assert mx.array_equal(kb(x1, s1, pool4, SwiGLU()), ops(x1, s1, pool4, SwiGLU())).item()
+
+
+def _byte_rows(arrays) -> dict:
+    """Each array's experts as host byte rows ``[n, nbytes]``, as an expert file holds them."""
+    rows = {}
+    for name, a in arrays.items():
+        raw = a if a.dtype == mx.uint32 else a.view(mx.uint16)
+        rows[name] = np.array(raw).view(np.uint8).reshape(a.shape[0], -1)
+    return rows
+
+
+def _outside_the_pool(arrays, kept, experts):
+    """A pool of experts ``kept`` (slot i holds expert kept[i]) of ``arrays``'s, and slots for
+    ``experts`` [T, K]: the pool's slot where it holds the expert, else IN_PLACE_BIT | expert."""
+    pool = {k: v[mx.array(kept)] for k, v in arrays.items()}
+    where = {e: i for i, e in enumerate(kept)}
+    slots = np.array([[where.get(e, IN_PLACE_BIT | e) for e in row] for row in experts], np.uint32)
+    return pool, mx.array(slots)
+
+
+def test_ops_read_experts_outside_the_pool_where_they_lie():
+    """Slots with IN_PLACE_BIT name experts the pool does not hold: plain ops read them from
+    ``InPlaceExperts``'s rows and compute what the whole layer computes, bit for bit."""
+    with mx.stream(mx.cpu):
+        arrays = make_arrays(8, 256, 128, 4, 64, mx.float32, seed=7)
+        experts = np.array([[1, 5, 6, 2], [0, 5, 7, 3], [6, 4, 1, 2]])
+        pool, slots = _outside_the_pool(arrays, [2, 5, 6], experts)
+        where = InPlaceExperts({}, _byte_rows(arrays))
+        wide = ExpertPool(pool, Quantization(4, 64), in_place=where)
+        x = mx.random.normal((3, 256))
+        want = OpsBackend()(x, mx.array(experts), ExpertPool(arrays, Quantization(4, 64)), SwiGLU())
+        got = OpsBackend()(x, slots, wide, SwiGLU())
+        assert mx.array_equal(got, want).item()
+        # int32 slots alike, and a call naming none outside needs no rows
+        assert mx.array_equal(OpsBackend()(x, slots.view(mx.int32), wide, SwiGLU()), want).item()
+        inside = mx.array(np.array([[0, 1, 2, 0]] * 3, np.uint32))
+        plain = OpsBackend()(x, inside, ExpertPool(pool, Quantization(4, 64)), SwiGLU())
+        assert mx.array_equal(OpsBackend()(x, inside, wide, SwiGLU()), plain).item()
+
+
+@pytest.mark.skipif(DIALECT != "cuda", reason="reading experts in place is CUDA's")
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: DNAME[d])
+def test_cuda_kernels_read_experts_outside_the_pool_over_the_bus(dtype):
+    """The CUDA kernels read a slot with IN_PLACE_BIT from page-locked host memory laid out as
+    an expert file (``InPlaceExperts``'s addresses) and compute exactly what they compute for
+    the same experts in the pool."""
+    from moeflux_mlx.cuda.runtime import PinnedBuffer
+
+    hid, inter, topk = MODELS["qwen3-30b-a3b"]
+    n, n_tok = 12, 3
+    arrays = make_arrays(n, hid, inter, 4, 64, dtype, seed=11)
+    rows = _byte_rows(arrays)
+    total = sum(r.size for r in rows.values())
+    buf = PinnedBuffer(total + 16 * len(rows))
+    try:
+        addresses, off = {}, 0
+        for name, r in rows.items():
+            buf.array[off : off + r.size] = r.reshape(-1)
+            addresses[name] = (buf.device_ptr + off, r.shape[1])
+            off += -(-r.size // 16) * 16
+        rng = np.random.default_rng(11)
+        experts = np.stack([rng.choice(n, topk, replace=False) for _ in range(n_tok)])
+        pool, slots = _outside_the_pool(arrays, [1, 4, 9, 0], experts)
+        wide = ExpertPool(pool, Quantization(4, 64), in_place=InPlaceExperts(addresses, rows))
+        x = mx.random.normal((1, n_tok, hid)).astype(dtype)
+        kb = K.KernelBackend("cuda", OpsBackend())
+        whole = ExpertPool(arrays, Quantization(4, 64))
+        want = kb(x, mx.array(experts.reshape(1, n_tok, topk)), whole, SwiGLU())
+        got = kb(x, slots.reshape(1, n_tok, topk), wide, SwiGLU())
+        assert kb.last_served == "cuda"
+        assert mx.array_equal(got, want).item()
+    finally:
+        mx.synchronize()
+        buf.close()
 
 
 def test_backend_plans_once_per_pool_and_shape():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -37,6 +37,10 @@ MX_DTYPES = {
     "BOOL": mx.bool_,
 }
 STAGING_KEEP_BYTES = 256 << 20  # larger staging and staging pools (prefill) are not kept
+# A slot with this bit set names expert ``slot - IN_PLACE_BIT`` outside the pool, read where it
+# lies (``InPlaceExperts``): a speculative pass larger than a layer's slots, on a layer whose
+# expert files the GPU reads in place (``cuda.pinned_files``).
+IN_PLACE_BIT = 1 << 31
 
 
 def host_view(arr: mx.array) -> np.ndarray:
@@ -54,6 +58,8 @@ class ExpertPool:
     overrides: Dict[str, Optional[Quantization]] = field(default_factory=dict)
     # per call shape, what a backend worked out once for this pool (compute.kernels.KernelBackend)
     plans: Dict[tuple, object] = field(default_factory=dict, repr=False, compare=False)
+    # where the experts outside the pool lie, for slots with IN_PLACE_BIT (None: no slot has it)
+    in_place: Optional[InPlaceExperts] = field(default=None, repr=False, compare=False)
 
     def quant(self, projection: str) -> Optional[Quantization]:
         return self.overrides.get(projection, self.quantization)
@@ -71,6 +77,45 @@ class ExpertPool:
     @property
     def is_glu(self) -> bool:
         return "gate_proj.weight" in self.arrays
+
+
+@dataclass
+class InPlaceExperts:
+    """Where a layer's experts lie outside its pool, for the slots with ``IN_PLACE_BIT``: per
+    component, the device address of expert 0's bytes and the stride between experts (what the
+    CUDA kernels read over the bus), and the same bytes as host rows ``[num_experts, nbytes]``
+    (what plain ops read)."""
+
+    addresses: Dict[str, Tuple[int, int]]
+    rows: Dict[str, np.ndarray]
+    _words: Dict[tuple, mx.array] = field(default_factory=dict, repr=False)
+
+    def words(self, names: Sequence[str]) -> mx.array:
+        """The kernels' ``in_place`` input for the pool inputs ``names``: address and stride
+        of each, in that order."""
+        key = tuple(names)
+        w = self._words.get(key)
+        if w is None:
+            flat = [v for n in key for v in self.addresses[n]]
+            w = self._words[key] = mx.array(np.array(flat, np.uint64))
+        return w
+
+    def gathered(self, pool: ExpertPool, slots: mx.array) -> Tuple[ExpertPool, mx.array]:
+        """``pool`` with the experts ``slots`` names outside it appended as slots of its own,
+        and ``slots`` renumbered to match: plain ops' way to read them (a host sync)."""
+        s = np.array(slots).astype(np.int64) & 0xFFFFFFFF  # int32 or uint32 alike
+        outside = s >= IN_PLACE_BIT
+        if not outside.any():
+            return pool, slots
+        experts, pos = np.unique(s[outside] - IN_PLACE_BIT, return_inverse=True)
+        arrays = {}
+        for name, arr in pool.arrays.items():
+            extra = mx.array(self.rows[name][experts]).view(arr.dtype)
+            arrays[name] = mx.concatenate([arr, extra.reshape(len(experts), *arr.shape[1:])])
+        n_slots = next(iter(pool.arrays.values())).shape[0]
+        s[outside] = n_slots + pos
+        out = ExpertPool(arrays, pool.quantization, pool.overrides)
+        return out, mx.array(s.astype(np.uint32)).reshape(slots.shape)
 
 
 class DeviceStaging:
@@ -120,6 +165,9 @@ class SlotPool:
         self.device_writes = staging is not None
         self.host = None if self.device_writes else {n: host_view(a) for n, a in self.raw.items()}
         self._staged: Optional[mx.array] = None
+        # where the experts outside the slots lie, for calls that may read them (``wide``)
+        self.in_place: Optional[InPlaceExperts] = None
+        self._wide: Optional[ExpertPool] = None
         self._typed()
 
     def _typed(self) -> None:
@@ -130,6 +178,21 @@ class SlotPool:
         if not self.device_writes:
             mx.eval(list(typed.values()))  # views share raw's buffers, written from the host
         self.pool = ExpertPool(typed, self.layout.quantization, self.layout.overrides)
+        self._wide = None
+
+    def read_in_place(self, where: Optional[InPlaceExperts]) -> None:
+        """From now on calls may name experts outside the pool, which lie at ``where`` (None:
+        no more; its views of the files go)."""
+        self.in_place, self._wide = where, None
+
+    def wide(self) -> ExpertPool:
+        """The pool as a call whose slots may name experts outside it (``IN_PLACE_BIT``) reads
+        it: ``pool`` with ``in_place``, and launch plans of its own."""
+        assert self.in_place is not None, "no experts outside this pool can be read"
+        if self._wide is None:
+            p = self.pool
+            self._wide = ExpertPool(p.arrays, p.quantization, p.overrides, in_place=self.in_place)
+        return self._wide
 
     @property
     def nbytes(self) -> int:

@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.models.switch_layers import SwiGLU
 
-from ..cache.pool import MX_DTYPES, ExpertPool
+from ..cache.pool import MX_DTYPES, ExpertPool, InPlaceExperts
 from ..format.layout import ExpertLayout, Quantization
 from . import selfcheck
 from .kernel_source import COMMON, ENTRY, PRELUDE, load_source
@@ -51,6 +51,9 @@ _INPUTS = {
     "glu": ("x", "slots", "wg", "sg", "bg", "wu", "su", "bu"),
     "down": ("hin", "slots", "wd", "sd", "bd"),
 }
+# CUDA's kernels also read experts outside the pool (entry_cuda.cuh's MF_EXPERT): ``in_place``
+# holds their addresses (cache.pool.InPlaceExperts.words)
+_CUDA_EXTRA = ("in_place",)
 _OUTPUTS = {"glu": ("h",), "down": ("y",), "combine": ("out",)}
 _COMBINE_VARIANTS = {  # variant -> (inputs, MF_HAS_SHARED, MF_GATED)
     "plain": (("res", "y", "wts"), 0, 0),
@@ -141,6 +144,8 @@ def _kernel(kind: str, dialect: str, variant: str = "plain", broken: Optional[st
             digest = hashlib.sha1((header + "\0" + body).encode()).hexdigest()[:10]
             name = f"moeflux_{kind}_broken_{broken}_{digest}"
         inputs = _COMBINE_VARIANTS[variant][0] if kind == "combine" else _INPUTS[kind]
+        if kind != "combine" and dialect == "cuda":
+            inputs = inputs + _CUDA_EXTRA
         # glu/down read every input through its strides: pools in place (no copy of a strided
         # pool), x and slots as the router hands them over (no node). combine wants row-contiguous.
         contiguous = kind == "combine"
@@ -392,8 +397,10 @@ def _prepare(
     config,
     in_dim,
     out_dim,
+    in_place: Optional[InPlaceExperts] = None,
 ) -> Launch:
-    """``lead``: the leading (token) dims of x and slots; the output is ``[*lead, topk, out_dim]``."""
+    """``lead``: the leading (token) dims of x and slots; the output is ``[*lead, topk, out_dim]``.
+    ``in_place``: where the experts outside the pool lie (CUDA; None: slots name none)."""
     pairs = math.prod(lead) * topk
     template, grid, threadgroup = launch_shape(
         kind, dtype, bits, group_size, in_dim, out_dim, topk, pairs, dialect, config
@@ -401,7 +408,7 @@ def _prepare(
     broken = _broken_mode(kind, dialect, dict(template))
     return Launch(
         _kernel(kind, dialect, "plain", broken) if broken else _kernel(kind, dialect),
-        [pool_arrays[k] for k in _POOL_KEYS[kind]],
+        [pool_arrays[k] for k in _POOL_KEYS[kind]] + _in_place_input(kind, dialect, in_place),
         dict(
             template=template,
             grid=grid,
@@ -411,6 +418,14 @@ def _prepare(
         ),
         raises=broken == "raise",
     )
+
+
+def _in_place_input(kind: str, dialect: str, in_place: Optional[InPlaceExperts]) -> list:
+    if dialect != "cuda":
+        return []
+    if in_place is not None:
+        return [in_place.words(_POOL_KEYS[kind])]
+    return [mx.zeros((2 * len(_POOL_KEYS[kind]),), mx.uint64)]  # never read: no slot is outside
 
 
 def glu_matvec(
@@ -423,13 +438,15 @@ def glu_matvec(
     dialect: str,
     config: Optional[dict] = None,
     init_value: Optional[float] = None,
+    in_place: Optional[InPlaceExperts] = None,
 ) -> mx.array:
     """``h[t,k,:] = silu(Wg[s] @ x[t]) * (Wu[s] @ x[t])``, ``s = slots[t,k]``.
 
     x ``[..., H]`` (float16/bfloat16/float32), slots ``[..., K]`` (int) -> h ``[..., K, I]`` in
     x.dtype; x and slots may be strided. ``config`` overrides the launch shape (see
     ``default_config``); ``init_value`` fills the output before the kernel runs (tests poison it
-    with NaN)."""
+    with NaN); ``in_place``: where experts outside the pool lie, for slots with
+    ``cache.pool.IN_PLACE_BIT`` (CUDA only)."""
     a = pool_arrays
     in_dim = x.shape[-1]
     out_dim = a["gate_proj.weight"].shape[1]
@@ -453,6 +470,7 @@ def glu_matvec(
         config,
         in_dim,
         out_dim,
+        in_place,
     )
     return launch(x, _slots(slots), init_value)
 
@@ -467,9 +485,10 @@ def down_matvec(
     dialect: str,
     config: Optional[dict] = None,
     init_value: Optional[float] = None,
+    in_place: Optional[InPlaceExperts] = None,
 ) -> mx.array:
     """``y[t,k,:] = Wd[s] @ h[t,k,:]``: h ``[..., K, I]``, slots ``[..., K]`` -> y ``[..., K, H]`` in
-    h.dtype; h and slots may be strided."""
+    h.dtype; h and slots may be strided. ``in_place``: as ``glu_matvec``'s."""
     a = pool_arrays
     if h.ndim < 2 or tuple(h.shape[:-1]) != tuple(slots.shape):
         raise ValueError(
@@ -491,6 +510,7 @@ def down_matvec(
         config,
         in_dim,
         out_dim,
+        in_place,
     )
     return launch(h, _slots(slots), init_value)
 
@@ -831,6 +851,7 @@ class KernelBackend:
             None,
             hid,
             inter,
+            pool.in_place,
         )
         down = _prepare(
             "down",
@@ -844,6 +865,7 @@ class KernelBackend:
             None,
             inter,
             hid,
+            pool.in_place,
         )
         return glu, down
 

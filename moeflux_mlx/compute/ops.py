@@ -52,6 +52,8 @@ class OpsBackend:
         self.why = why  # why plain ops compute every layer (``compute.backend.layer_choice``)
 
     def __call__(self, x: mx.array, slots: mx.array, pool: ExpertPool, activation) -> mx.array:
+        if pool.in_place is not None:  # slots may name experts outside the pool
+            pool, slots = pool.in_place.gathered(pool, slots)
         x = mx.expand_dims(x, (-2, -3))
         do_sort = slots.size >= SORT_THRESHOLD
         idx, inv_order = slots, None

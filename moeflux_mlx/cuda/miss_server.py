@@ -143,6 +143,22 @@ class Hint:
         return union
 
 
+def within_slots(
+    request: np.ndarray, slot_of: np.ndarray, n_slots: int
+) -> Tuple[np.ndarray, np.ndarray]:
+    """For a request naming more experts than the layer has slots (a speculative pass on pinned
+    expert files): the experts that take the slots, every resident one and then the absent
+    ones in the order the request names them (the earliest tokens', the likeliest accepted,
+    first), sorted; and the rest, which the GPU reads where they lie."""
+    request = np.asarray(request, np.int64)
+    _, first = np.unique(request, return_index=True)
+    ordered = request[np.sort(first)]
+    here = slot_of[ordered] >= 0
+    resident, absent = ordered[here], ordered[~here]
+    room = max(n_slots - resident.size, 0)
+    return np.sort(np.concatenate([resident, absent[:room]])), absent[room:]
+
+
 class Server:
     def __init__(self, spec: dict):
         self.control = ControlBlock(
@@ -300,6 +316,10 @@ class Server:
             # needed first
             keep = hint.upcoming(call, n_request, t.num_experts)
             keep = keep[~np.isin(keep, experts)]
+        outside = experts[:0]  # what the GPU reads where it lies (a pass larger than the slots)
+        if in_place and experts.size > t.n_slots:
+            experts, outside = within_slots(t.request[:n_request], t.slot_of, t.n_slots)
+            keep = None
         missing, victims = policy.admit(experts, tick, keep)
         n = missing.size
         early = missing[:0]  # later tokens' experts whose read failed: freed at once
@@ -312,9 +332,10 @@ class Server:
                         f"layer {layer}: {n} missed experts in one call, the copy list "
                         f"holds {MAX_SELECTIONS}"
                     )
-                t.stats[S_READ] += n
-                t.stats[S_BYTES] += n * layout.blob_size
-                t.stats[S_MISSED] += n
+                # those read in place cross the bus too, every time
+                t.stats[S_READ] += n + outside.size
+                t.stats[S_BYTES] += (n + outside.size) * layout.blob_size
+                t.stats[S_MISSED] += n + outside.size
                 return
             staging = self._staging(layout.blob_size)
             if n > staging.shape[0]:

@@ -19,12 +19,14 @@ import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Optional
 
 import numpy as np
 import psutil
 
+from ..cache.pool import InPlaceExperts
 from ..errors import DeviceSetupError
+from ..format.layout import ExpertLayout
 from ..io.store import RAM_FRACTION, ExpertStore
 from .runtime import PORTABLE_MAPPED, READ_ONLY, _cudart, register_host
 
@@ -47,6 +49,16 @@ class LayerSources:
         """Whether component ``k`` (``nbytes`` an expert) can be copied in 16-byte words: its
         address, its stride and its size all multiples of 16."""
         return self.device_ptrs[k] % 16 == 0 and self.strides[k] % 16 == 0 and nbytes % 16 == 0
+
+    def in_place(self, layout: ExpertLayout) -> Optional[InPlaceExperts]:
+        """Where the expert kernels read the experts a pass leaves outside the slots, or None
+        where a component's address or stride is not a multiple of 4 (their word loads)."""
+        if any(p % 4 or s % 4 for p, s in zip(self.device_ptrs, self.strides)):
+            return None
+        names = [c.name for c in layout.components]
+        return InPlaceExperts(
+            dict(zip(names, zip(self.device_ptrs, self.strides))), dict(zip(names, self.rows))
+        )
 
 
 class _PinnedFile:

@@ -7,7 +7,9 @@ call verifying draft tokens (``StreamingRuntime.verifying_drafts``) is served th
 at a time (``waves``): its first token announces every token's experts, so the server reads the pass's
 union at once and keeps its resident experts until the last token, and no host sync is needed
 however many experts the pass routes to. A pass whose selections all fit the layer's slots and
-one answer's copies is one table call instead, as an all-resident pass is (``_fits_whole``).
+one answer's copies is one table call instead, as an all-resident pass is (``_fits_whole``);
+with pinned expert files any pass of up to ``MAX_SELECTIONS`` selections is, the experts the
+slots cannot hold read by the expert kernels where they lie (``cache.pool.InPlaceExperts``).
 Synced calls (prefill) ask the server to admit experts
 into the same table and write the bytes themselves, in place. Fully cached layers stay as in
 ``BudgetCache`` (slot == expert id), unless ``every_layer`` (benchmarks: the cost of the lookup
@@ -23,14 +25,14 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
 
 from ..cache.budget import BudgetCache
 from ..cache.policy import POLICIES
-from ..cache.pool import DeviceStaging, ExpertPool, SlotPool, whole_blobs
+from ..cache.pool import DeviceStaging, ExpertPool, InPlaceExperts, SlotPool, whole_blobs
 from ..format.layout import ModelLayout
 from ..io.prefetch import Prefetcher
 from ..io.store import ExpertStore
@@ -92,11 +94,16 @@ class TableCache(BudgetCache):
             table_layers(layout, self.n_slots, options.table_every_layer), allocate=PinnedBuffer
         )
         self.pinned: Optional[PinnedExperts] = None
+        # layer -> where its experts lie for the expert kernels: a pass may outgrow its slots
+        self.in_place: Dict[int, InPlaceExperts] = {}
         try:
             if options.pin_experts:  # before any kernel is made: the layers' launches use them
                 self.pinned = PinnedExperts(store, self.control.layers)
                 for layer, sources in self.pinned.sources.items():
                     self.control.layers[layer].sources = sources
+                    where = sources.in_place(store.layout(layer))
+                    if where is not None:
+                        self.in_place[layer] = where
                     # a prefill's whole layer: copied by the GPU out of the files, never read
                     self.whole_reads.pinned[layer] = functools.partial(
                         layer_copy.copy_pinned, sources, store.layout(layer)
@@ -127,6 +134,12 @@ class TableCache(BudgetCache):
         return self.control.layers.get(layer)
 
     # -- BudgetCache's hooks: the server keeps the bookkeeping of table layers ----------------
+
+    def _pool(self, layer: int) -> SlotPool:
+        pool = super()._pool(layer)
+        if pool.in_place is None and layer in self.in_place:
+            pool.read_in_place(self.in_place[layer])
+        return pool
 
     def slot_of(self, layer: int) -> Optional[np.ndarray]:
         t = self._table(layer)
@@ -211,7 +224,7 @@ class TableCache(BudgetCache):
             ahead = self.predictor(layer, x, indices.shape[-1])
             if ahead is not None and self._table(ahead[0]) is not None:  # the server reads ahead
                 indices = self._hint(ahead[0], indices, ahead[1])
-        slots, pool = self._resolve(layer, indices)
+        slots, pool = self._resolve(layer, indices, whole and layer in self.in_place)
         self._table_call = True
         stats.calls += 1
         stats.unsynced_calls += 1
@@ -270,7 +283,12 @@ class TableCache(BudgetCache):
         """Whether a pass's selections (duplicates counted) fit the layer's slots and what one
         answer can copy: the copy list with pinned files, else the staging's rows. Then one
         table call serves the pass: its union is admitted at once, and the expert kernels run
-        once for all its tokens, as for an all-resident pass."""
+        once for all its tokens, as for an all-resident pass. On a layer whose experts the
+        kernels can read in place (``self.in_place``) every pass within one request fits: the
+        server admits what the slots hold, resident experts first (``miss_server.within_slots``),
+        and the kernels read the rest where they lie."""
+        if layer in self.in_place:  # what the slots cannot hold is read where it lies
+            return indices.size <= MAX_SELECTIONS
         if not table_kernels.fits(indices.size, self.n_slots[layer]):
             return False
         if self.control.layers[layer].sources is not None:
@@ -295,8 +313,12 @@ class TableCache(BudgetCache):
             self.wait_s,
         )
 
-    def _resolve(self, layer: int, indices: mx.array) -> Tuple[mx.array, ExpertPool]:
-        """Lazy slots of one token's experts; the GPU waits for the miss server on misses."""
+    def _resolve(
+        self, layer: int, indices: mx.array, in_place: bool = False
+    ) -> Tuple[mx.array, ExpertPool]:
+        """Lazy slots of one token's experts (or a whole pass's); the GPU waits for the miss
+        server on misses. ``in_place``: slots may name experts outside the pool, and the pool
+        returned says where those lie."""
         pool = self._pool(layer)
         stream = mx.default_stream(mx.default_device())
         if stream not in self._streams:
@@ -310,10 +332,11 @@ class TableCache(BudgetCache):
             pool.layout,
             self.wait_s,
             after=self._last_table_out,
+            in_place=in_place,
         )
         self.server.enqueued(layer)
         self._enqueued = True
-        return slots, pool.pool
+        return slots, pool.wide() if in_place else pool.pool
 
     def check(self) -> None:
         """Raise what the miss server or the GPU ran into since the last call."""
@@ -341,5 +364,8 @@ class TableCache(BudgetCache):
             finally:
                 if self.pinned is not None:  # it waits for every kernel that reads them
                     self.whole_reads.pinned.clear()
+                    self.in_place.clear()
+                    for pool in self.pools.values():  # their views of the files go too
+                        pool.read_in_place(None)
                     self.pinned.close()
                 super().close()

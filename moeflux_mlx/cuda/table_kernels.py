@@ -290,6 +290,7 @@ class _Launches:
         indices: mx.array,
         after: mx.array,
         wait_s: float,
+        in_place: bool = False,
     ) -> _Launches:
         n = indices.size
         threads = _warps(n)
@@ -305,7 +306,12 @@ class _Launches:
                 _source_strides(control.layers[layer].sources, layout),
             ),
             dict(
-                template=[("N", n), ("IDX", indices.dtype), ("AFTER", after.dtype)],
+                template=[
+                    ("N", n),
+                    ("IN_PLACE", int(in_place)),
+                    ("IDX", indices.dtype),
+                    ("AFTER", after.dtype),
+                ],
                 grid=(threads, 1, 1),
                 threadgroup=(threads, 1, 1),
                 output_shapes=[(n + 1,)],
@@ -359,6 +365,7 @@ def resolve(
     layout: ExpertLayout,
     wait_s: float,
     after: Optional[mx.array] = None,
+    in_place: bool = False,
 ) -> mx.array:
     """Lazy slots for ``indices`` (one token's experts), made resident on the way (see above).
     ``staging``: where the miss server reads this layout's missed experts. ``after``: the
@@ -368,16 +375,19 @@ def resolve(
     evaluated together (forward passes built, then evaluated at once) would interleave, a
     later call's misses evicting slots an earlier one has yet to read. An input of the lookup
     is an edge. Within one forward pass, and from token to token, the order is implied anyway.
-    ``wait_s``: how long the GPU waits for the miss server before it gives up."""
+    ``wait_s``: how long the GPU waits for the miss server before it gives up. ``in_place``
+    (a pass larger than the slots, on a layer with pinned expert files): what the server
+    leaves out of the slots comes as ``cache.pool.IN_PLACE_BIT | expert``, read where it lies.
+    """
     t = control.layers[layer]
     indices = _index_array(indices)
     if after is None:
         after = _meta(control, staging, layer)
-    key = (tuple(indices.shape), indices.dtype, after.dtype)
+    key = (tuple(indices.shape), indices.dtype, after.dtype, in_place)
     launch = t.launches.get(key)
     if launch is None:
         launch = t.launches[key] = _Launches.make(
-            control, staging, layer, layout, indices, after, wait_s
+            control, staging, layer, layout, indices, after, wait_s, in_place
         )
     # two graph nodes (decode is host-bound, docs/kernels.md): indices and after go in as they
     # are, and fill's output is declared in the router's shape
