@@ -6,16 +6,17 @@
   // Inputs: inds [..., K] (N in all; uint32 or int32, read through its strides: the router's
   // slice as it is), meta (offsets and addresses, see device_table.py), after (unread, any
   // dtype: the previous table call's output, an edge that orders this call after it).
-  // Template: N, IN_PLACE (0/1, see below), and the input dtypes.
+  // Template: N, IN_PLACE (0, 1 or 2, see below), and the input dtypes.
   // Output: slots [N + 1]; slots[N] is this call's request number, 0 when nothing was missed
   // (fill copies only for a request of its own call). The GPU never writes a word the server
   // writes (control_block.py), except last_used.
   int* c = mf_ptr<int>(meta, MF_META_CTRL);
   const int req_at = meta[0], done_at = meta[1], base = meta[2], tab = meta[3], last = meta[4],
             reqi = meta[5], n_experts = meta[8], fault_at = meta[9], tick_at = meta[10];
-  __shared__ int miss, bad, calls, tick, seq;
+  __shared__ int miss, bad, calls, tick, seq, ncopy;
+  __shared__ int ids[MF_MAXN], absent[MF_MAXN], first[MF_MAXN];  // IN_PLACE == 2
   const int t = int(threadIdx.x);
-  if (t == 0) { miss = 0; bad = 0; seq = 0; }
+  if (t == 0) { miss = 0; bad = 0; seq = 0; ncopy = 0; }
   __syncthreads();
   int e = -1;
   if (t < N) {
@@ -48,20 +49,40 @@
           break;
         }
       }
+      ncopy = mf_ld_acquire(c + base + MF_H_NCOPY);
       mf_st_relaxed(c + base + MF_H_WAITS, mf_ld_relaxed(c + base + MF_H_WAITS) + 1);
       const int us = int(waited / 1000ull);
       mf_st_relaxed(c + base + MF_H_WAIT_US, mf_ld_relaxed(c + base + MF_H_WAIT_US) + us);
     }
   }
   __syncthreads();
+  int s = -1;
   if (t < N) {
-    int s = bad ? -1 : mf_ld_acquire(c + tab + e);
+    s = bad ? -1 : mf_ld_acquire(c + tab + e);
+    if (IN_PLACE == 2) { ids[t] = e; absent[t] = int(s < 0 && !bad); }
+  }
+  if (IN_PLACE == 2) {  // each expert's first selection in the call
+    __syncthreads();
+    if (t < N) {
+      int f = 1;
+      for (int j = 0; j < t; ++j) f &= int(ids[j] != e);
+      first[t] = f;
+    }
+    __syncthreads();
+  }
+  if (t < N) {
     // absent only after a fault (flagged above), or in a call that asked nothing, for a failed
     // read's slot freed since it looked (that read's error is flagged): the host raises either.
-    // With IN_PLACE (a pass larger than the slots, on pinned expert files) an expert the server
-    // left out of the slots is read where it lies: its id with the top bit (cache.pool).
-    if (s < 0 && IN_PLACE && !bad) {
+    // With IN_PLACE (a pass larger than the slots) an expert the server left out of them is
+    // read where it lies, named with the top bit (cache.pool.IN_PLACE_BIT): 1, in the pinned
+    // expert files, by its id; 2, in the staging, where the server read the experts it left
+    // out after the call's misses, by id (miss_server.Server.answer_gpu): row ncopy + rank.
+    if (s < 0 && IN_PLACE == 1 && !bad) {
       slots[t] = 0x80000000u | uint32_t(e);
+    } else if (s < 0 && IN_PLACE == 2 && !bad) {
+      int rank = 0;
+      for (int i = 0; i < N; ++i) rank += first[i] & absent[i] & int(ids[i] < e);
+      slots[t] = 0x80000000u | uint32_t(ncopy + rank);
     } else {
       if (s < 0) s = 0;
       slots[t] = uint32_t(s);

@@ -46,7 +46,7 @@ ANSWER_LAG_S = 0.0  # how long the stand-in takes to read its slots again after 
 
 
 def reference_resolve(
-    control, staging, layer, indices, raw, layout, wait_s, after=None, in_place=False
+    control, staging, layer, indices, raw, layout, wait_s, after=None, in_place=0
 ):
     """What resolve_cuda.cuh + fill_cuda.cuh do, eagerly, from the main thread."""
     if after is not None:  # the kernel's edge: it runs after that computation
@@ -65,13 +65,18 @@ def reference_resolve(
         _wait_answer(control, i, seq)
     time.sleep(ANSWER_LAG_S)
     slots = t.slot_of[inds].copy()  # read again, as the kernel does
-    outside = (slots < 0) & in_place  # left out of the slots: read where it lies
+    outside = (slots < 0) & bool(in_place)  # left out of the slots: read where it lies
     # an answer's slots stay until the call ends; a call that asked nothing may find a failed
     # read's slot freed since it looked (the kernel takes slot 0: that pass raises)
     assert (slots[~outside] >= 0).all() or (not seq and control.globals[cb.G_ERRORS])
     slots = np.maximum(slots, 0)
     t.last_used[slots[~outside]] = tick
-    slots[outside] = IN_PLACE_BIT | inds[outside]
+    if in_place == tk.IN_FILES:  # by expert id
+        slots[outside] = IN_PLACE_BIT | inds[outside]
+    elif in_place == tk.IN_STAGING:  # by staging row: after the misses, by id
+        ncopy = int(t.header[cb.H_NCOPY]) if seq else 0
+        rank = np.searchsorted(np.unique(inds[outside]), inds[outside])
+        slots[outside] = IN_PLACE_BIT | (ncopy + rank)
     control.ticks[i] = calls  # the end of resolve; fill, a kernel of its own, runs after
     if seq:
         n, poison = int(t.header[cb.H_NCOPY]), bool(t.header[cb.H_ERR])
@@ -351,12 +356,16 @@ def test_a_request_beyond_the_slots_keeps_the_resident_then_the_earliest_absent(
     assert kept.tolist() == [4, 7] and outside.tolist() == [9, 2, 5, 1]
 
 
-def test_speculative_passes_go_through_the_table_a_token_at_a_time(table_on_cpu, reference):
+def test_speculative_passes_go_through_the_table_a_token_at_a_time(
+    table_on_cpu, reference, monkeypatch
+):
     """Prompt-lookup passes of 3-5 tokens at a budget whose slots (4 of 16 experts, top-4) their
-    union outgrows: served by the table a token at a time, with no host sync, the union announced
-    to the miss server by the first token and read ahead; tokens and log-probs as plain
+    union outgrows, with a staging of two tokens' misses (as for experts too large for a
+    pass's): served by the table a token at a time, with no host sync, the union announced to
+    the miss server by the first token and read ahead; tokens and log-probs as plain
     decoding's."""
     packed, _, _, total = reference
+    monkeypatch.setattr(tk, "PASS_STAGING_BYTES", 0)
     model, tokenizer = _load_streamed(packed, total)
     with model.moeflux as rt:
         t = _speculate(model, tokenizer, rt)
@@ -364,12 +373,14 @@ def test_speculative_passes_go_through_the_table_a_token_at_a_time(table_on_cpu,
         assert t.experts_missed > 0 and t.prefetch_issued > 0  # union read ahead
 
 
-def test_pinned_passes_outgrowing_the_slots_are_one_call_the_rest_read_in_place(
-    table_on_cpu, reference, monkeypatch
+@pytest.mark.parametrize("pinned", [False, True])
+def test_passes_outgrowing_the_slots_are_one_call_the_rest_read_in_place(
+    table_on_cpu, reference, monkeypatch, pinned
 ):
-    """With pinned expert files the same passes are one table call a layer: the server admits
-    what the 4 slots hold, resident experts first, and the expert computation reads the rest of
-    the union where it lies (``InPlaceExperts``); tokens as plain decoding's."""
+    """The same passes, with a staging that holds a pass's misses, or with pinned expert files,
+    are one table call a layer: the server admits what the 4 slots hold, resident experts first,
+    and the expert computation reads the rest of the union where it lies (``InPlaceExperts``:
+    the staging the server read it into, or the files); tokens as plain decoding's."""
     packed, _, _, total = reference
     outside = []
     gathered = InPlaceExperts.gathered
@@ -380,19 +391,28 @@ def test_pinned_passes_outgrowing_the_slots_are_one_call_the_rest_read_in_place(
         return out
 
     monkeypatch.setattr(InPlaceExperts, "gathered", counting)
-    model, tokenizer = _load_streamed(packed, total, pin_experts=True)
+    model, tokenizer = _load_streamed(packed, total, pin_experts=pinned)
     with model.moeflux as rt:
-        assert sorted(rt.cache.in_place) == sorted(rt.cache.control.layers)
+        layers = sorted(rt.cache.control.layers)
+        assert sorted(rt.cache.in_place) == (layers if pinned else [])
         t = _speculate(model, tokenizer, rt)
         assert t.calls < t.tokens  # passes went whole
         assert outside and sum(outside) > 0  # some experts were read where they lie
         assert t.experts_missed > 0
+        if not pinned:
+            assert sorted(rt.cache._in_staging) == layers
 
 
-def test_a_short_call_goes_a_token_at_a_time_only_while_verifying_drafts(table_on_cpu, reference):
+@pytest.mark.parametrize("pass_staging", [True, False])
+def test_a_short_call_goes_through_the_table_only_while_verifying_drafts(
+    table_on_cpu, reference, monkeypatch, pass_staging
+):
     """Outside speculation a three-token call is computed whole, as stock computes it (one host
-    sync a layer); within ``verifying_drafts`` the table takes it a token at a time."""
+    sync a layer); within ``verifying_drafts`` the table takes it: as one call a layer where
+    the staging holds a pass's misses, else a token at a time."""
     packed, _, _, total = reference
+    if not pass_staging:
+        monkeypatch.setattr(tk, "PASS_STAGING_BYTES", 0)
     model, _ = _load_streamed(packed, total)
     x = mx.array([[17, 3, 41]])
     with model.moeflux as rt:
@@ -406,8 +426,9 @@ def test_a_short_call_goes_a_token_at_a_time_only_while_verifying_drafts(table_o
         assert not rt.verifying
         mx.eval(out)
         rt.stats_dict()
-        waves = rt.stats.total()
-        assert waves.unsynced_calls == waves.calls == waves.tokens == 3 * whole.calls
+        table = rt.stats.total()
+        assert table.unsynced_calls == table.calls and table.tokens == 3 * whole.calls
+        assert table.calls == (whole.calls if pass_staging else table.tokens)
 
 
 @pytest.mark.parametrize("pinned", [False, True])

@@ -90,6 +90,22 @@ class InPlaceExperts:
     rows: Dict[str, np.ndarray]
     _words: Dict[tuple, mx.array] = field(default_factory=dict, repr=False)
 
+    @classmethod
+    def of_blobs(
+        cls, blobs: np.ndarray, device_ptr: int, layout: ExpertLayout
+    ) -> Optional[InPlaceExperts]:
+        """Experts as rows of a buffer of ``layout``'s blobs (a table's staging: row ``i`` is
+        "expert" ``i``), at ``device_ptr`` for the GPU; None where a component's offset or the
+        blob size is not a multiple of 4 (the kernels' word loads)."""
+        b = layout.blob_size
+        if b % 4 or any(c.offset % 4 for c in layout.components):
+            return None
+        rows = blobs[: blobs.size // b * b].reshape(-1, b)
+        return cls(
+            {c.name: (device_ptr + c.offset, b) for c in layout.components},
+            {c.name: rows[:, c.offset : c.offset + c.nbytes] for c in layout.components},
+        )
+
     def words(self, names: Sequence[str]) -> mx.array:
         """The kernels' ``in_place`` input for the pool inputs ``names``: address and stride
         of each, in that order."""

@@ -17,7 +17,9 @@ prefetch, the next call's predicted experts; for a speculative pass looked up a 
 the experts of all its tokens, so the pass's union is read at once, a token's request admits the
 next tokens' experts too as far as the slots and the staging allow (those tokens then need no
 request), and the pass's other resident experts are kept (``EvictionPolicy.admit``'s ``keep``)
-until its last token. What the hint's calls did not take is dropped after the last of them. It
+until its last token. What the hint's calls did not take is dropped after the last of them. A
+pass served as one call may name more experts than the slots: the request's answer admits what
+they hold and leaves the rest where the GPU reads it (``within_slots``). It
 exits when told to stop or when the model process goes away (its socket closes).
 
 Started by ``miss_client.MissServer``: ``python -m moeflux_mlx.cuda.miss_server`` with a JSON
@@ -146,10 +148,11 @@ class Hint:
 def within_slots(
     request: np.ndarray, slot_of: np.ndarray, n_slots: int
 ) -> Tuple[np.ndarray, np.ndarray]:
-    """For a request naming more experts than the layer has slots (a speculative pass on pinned
-    expert files): the experts that take the slots, every resident one and then the absent
-    ones in the order the request names them (the earliest tokens', the likeliest accepted,
-    first), sorted; and the rest, which the GPU reads where they lie."""
+    """For a request naming more experts than the layer has slots (a speculative pass served as
+    one call): the experts that take the slots, every resident one and then the absent ones in
+    the order the request names them (the earliest tokens', the likeliest accepted, first),
+    sorted; and the rest, which the GPU reads where they lie (the pinned files, or the staging
+    after the call's misses)."""
     request = np.asarray(request, np.int64)
     _, first = np.unique(request, return_index=True)
     ordered = request[np.sort(first)]
@@ -317,8 +320,9 @@ class Server:
             keep = hint.upcoming(call, n_request, t.num_experts)
             keep = keep[~np.isin(keep, experts)]
         outside = experts[:0]  # what the GPU reads where it lies (a pass larger than the slots)
-        if in_place and experts.size > t.n_slots:
+        if experts.size > t.n_slots:  # a speculative pass served whole (TableCache._fits_whole)
             experts, outside = within_slots(t.request[:n_request], t.slot_of, t.n_slots)
+            outside = np.sort(outside)  # in the staging: rows after the misses, by id
             keep = None
         missing, victims = policy.admit(experts, tick, keep)
         n = missing.size
@@ -338,10 +342,10 @@ class Server:
                 t.stats[S_MISSED] += n + outside.size
                 return
             staging = self._staging(layout.blob_size)
-            if n > staging.shape[0]:
+            if n + outside.size > staging.shape[0]:
                 raise DeviceWaitError(
-                    f"layer {layer}: {n} missed experts in one call, the staging "
-                    f"holds {staging.shape[0]}"
+                    f"layer {layer}: {n + outside.size} missed experts in one call, the "
+                    f"staging holds {staging.shape[0]}"
                 )
             t0 = time.perf_counter_ns()
             if self.prefetched.get(i):
@@ -350,10 +354,12 @@ class Server:
                 missing = order
             else:
                 self.store.read(layer, missing, staging[:n])
+            if outside.size:  # the expert kernels read them there (resolve_cuda.cuh's rows)
+                self.store.read(layer, outside, staging[n : n + outside.size])
             t.stats[S_IO_NS] += time.perf_counter_ns() - t0
-            t.stats[S_READ] += n
-            t.stats[S_BYTES] += n * layout.blob_size
-            t.stats[S_MISSED] += n
+            t.stats[S_READ] += n + outside.size
+            t.stats[S_BYTES] += (n + outside.size) * layout.blob_size
+            t.stats[S_MISSED] += n + outside.size
         except BaseException as e:  # noqa: BLE001 - the fill writes NaN bytes; released once the GPU is past
             t.header[H_ERR] = 1
             c.set_message(

@@ -7,9 +7,10 @@ call verifying draft tokens (``StreamingRuntime.verifying_drafts``) is served th
 at a time (``waves``): its first token announces every token's experts, so the server reads the pass's
 union at once and keeps its resident experts until the last token, and no host sync is needed
 however many experts the pass routes to. A pass whose selections all fit the layer's slots and
-one answer's copies is one table call instead, as an all-resident pass is (``_fits_whole``);
-with pinned expert files any pass of up to ``MAX_SELECTIONS`` selections is, the experts the
-slots cannot hold read by the expert kernels where they lie (``cache.pool.InPlaceExperts``).
+one answer's misses is one table call instead, as an all-resident pass is (``_fits_whole``),
+even where its union outgrows the slots: the server admits what they hold, and the expert
+kernels read the rest where it lies (``cache.pool.InPlaceExperts``), in the pinned expert files
+or in the staging the server read it into.
 Synced calls (prefill) ask the server to admit experts
 into the same table and write the bytes themselves, in place. Fully cached layers stay as in
 ``BudgetCache`` (slot == expert id), unless ``every_layer`` (benchmarks: the cost of the lookup
@@ -96,6 +97,8 @@ class TableCache(BudgetCache):
         self.pinned: Optional[PinnedExperts] = None
         # layer -> where its experts lie for the expert kernels: a pass may outgrow its slots
         self.in_place: Dict[int, InPlaceExperts] = {}
+        # layer -> the same in its staging (None: not readable there), made on first use
+        self._in_staging: Dict[int, Optional[InPlaceExperts]] = {}
         try:
             if options.pin_experts:  # before any kernel is made: the layers' launches use them
                 self.pinned = PinnedExperts(store, self.control.layers)
@@ -134,12 +137,6 @@ class TableCache(BudgetCache):
         return self.control.layers.get(layer)
 
     # -- BudgetCache's hooks: the server keeps the bookkeeping of table layers ----------------
-
-    def _pool(self, layer: int) -> SlotPool:
-        pool = super()._pool(layer)
-        if pool.in_place is None and layer in self.in_place:
-            pool.read_in_place(self.in_place[layer])
-        return pool
 
     def slot_of(self, layer: int) -> Optional[np.ndarray]:
         t = self._table(layer)
@@ -224,7 +221,7 @@ class TableCache(BudgetCache):
             ahead = self.predictor(layer, x, indices.shape[-1])
             if ahead is not None and self._table(ahead[0]) is not None:  # the server reads ahead
                 indices = self._hint(ahead[0], indices, ahead[1])
-        slots, pool = self._resolve(layer, indices, whole and layer in self.in_place)
+        slots, pool = self._resolve(layer, indices, whole)
         self._table_call = True
         stats.calls += 1
         stats.unsynced_calls += 1
@@ -280,25 +277,37 @@ class TableCache(BudgetCache):
         )
 
     def _fits_whole(self, layer: int, indices: mx.array) -> bool:
-        """Whether a pass's selections (duplicates counted) fit the layer's slots and what one
-        answer can copy: the copy list with pinned files, else the staging's rows. Then one
-        table call serves the pass: its union is admitted at once, and the expert kernels run
-        once for all its tokens, as for an all-resident pass. On a layer whose experts the
-        kernels can read in place (``self.in_place``) every pass within one request fits: the
-        server admits what the slots hold, resident experts first (``miss_server.within_slots``),
-        and the kernels read the rest where they lie."""
-        if layer in self.in_place:  # what the slots cannot hold is read where it lies
-            return indices.size <= MAX_SELECTIONS
-        if not table_kernels.fits(indices.size, self.n_slots[layer]):
+        """Whether one table call can serve a pass: its selections (duplicates counted) within
+        one request, and its misses within what one answer brings: with pinned files the copy
+        list, else the staging's rows. Then its union is admitted at once, and the expert
+        kernels run once for all its tokens, as for an all-resident pass. A union larger than
+        the slots is served too where the kernels can read the rest in place: the server
+        admits what the slots hold, resident experts first (``miss_server.within_slots``), and
+        leaves the rest in the pinned files, or reads it into the staging after the misses."""
+        n = indices.size
+        if n > MAX_SELECTIONS:
             return False
-        if self.control.layers[layer].sources is not None:
+        if layer in self.in_place:
             return True
-        return indices.size <= table_kernels.staging_rows(indices.shape[-1])
+        if self.control.layers[layer].sources is not None:  # pinned, not readable in place
+            return table_kernels.fits(n, self.n_slots[layer])
+        k = indices.shape[-1]
+        if n > table_kernels.staging_rows(k, self.store.layout(layer).blob_size):
+            return False
+        return table_kernels.fits(n, self.n_slots[layer]) or self._staged(layer, k) is not None
+
+    def _staged(self, layer: int, top_k: int) -> Optional[InPlaceExperts]:
+        """Where the expert kernels read experts from the layer's staging (None: they cannot)."""
+        if layer not in self._in_staging:
+            buf = self._staging_for(layer, top_k)
+            self._in_staging[layer] = InPlaceExperts.of_blobs(
+                buf.array, buf.device_ptr, self.store.layout(layer)
+            )
+        return self._in_staging[layer]
 
     def _staging_for(self, layer: int, top_k: int) -> PinnedBuffer:
-        return self.server.staging_for(
-            self.store.layout(layer).blob_size, table_kernels.staging_rows(top_k)
-        )
+        blob = self.store.layout(layer).blob_size
+        return self.server.staging_for(blob, table_kernels.staging_rows(top_k, blob))
 
     def _hint(self, layer: int, indices: mx.array, predicted: mx.array) -> mx.array:
         """``indices`` passed on (lazy) once the GPU has published ``predicted``, the experts
@@ -314,29 +323,40 @@ class TableCache(BudgetCache):
         )
 
     def _resolve(
-        self, layer: int, indices: mx.array, in_place: bool = False
+        self, layer: int, indices: mx.array, whole: bool = False
     ) -> Tuple[mx.array, ExpertPool]:
-        """Lazy slots of one token's experts (or a whole pass's); the GPU waits for the miss
-        server on misses. ``in_place``: slots may name experts outside the pool, and the pool
-        returned says where those lie."""
+        """Lazy slots of one token's experts, or of a whole pass's (``whole``: some may lie
+        outside the pool, and the pool returned says where); the GPU waits for the miss server
+        on misses."""
         pool = self._pool(layer)
         stream = mx.default_stream(mx.default_device())
         if stream not in self._streams:
             self._streams.append(stream)
+        k = indices.shape[-1]
+        mode, where = 0, None
+        if whole:
+            where = self.in_place.get(layer)
+            mode = table_kernels.IN_FILES
+            if where is None and self.control.layers[layer].sources is None:
+                where, mode = self._staged(layer, k), table_kernels.IN_STAGING
+            if where is None:
+                mode = 0  # the pass fits the slots (``_fits_whole``)
+            elif pool.in_place is not where:
+                pool.read_in_place(where)
         slots = table_kernels.resolve(
             self.control,
-            self._staging_for(layer, indices.shape[-1]),  # a whole pass fits it (_fits_whole)
+            self._staging_for(layer, k),  # a whole pass's misses fit it (_fits_whole)
             layer,
             indices,
             pool.raw,
             pool.layout,
             self.wait_s,
             after=self._last_table_out,
-            in_place=in_place,
+            in_place=mode,
         )
         self.server.enqueued(layer)
         self._enqueued = True
-        return slots, pool.wide() if in_place else pool.pool
+        return slots, pool.wide() if mode else pool.pool
 
     def check(self) -> None:
         """Raise what the miss server or the GPU ran into since the last call."""
@@ -356,6 +376,9 @@ class TableCache(BudgetCache):
 
     def close(self) -> None:
         self._last_table_out = None
+        self._in_staging.clear()
+        for pool in self.pools.values():  # their views of the files and the staging go
+            pool.read_in_place(None)
         try:
             self.synchronize()  # a GPU wait still enqueued is answered before the server stops
         finally:
@@ -365,7 +388,5 @@ class TableCache(BudgetCache):
                 if self.pinned is not None:  # it waits for every kernel that reads them
                     self.whole_reads.pinned.clear()
                     self.in_place.clear()
-                    for pool in self.pools.values():  # their views of the files go too
-                        pool.read_in_place(None)
                     self.pinned.close()
                 super().close()

@@ -58,6 +58,8 @@ from .runtime import PinnedBuffer
 log = logging.getLogger(__name__)
 
 FILL_BLOCKS, FILL_THREADS = 132, 256
+# resolve's ``in_place``: where the experts a pass leaves out of the slots are read
+IN_FILES, IN_STAGING = 1, 2
 
 
 def _meta(control: ControlBlock, staging: PinnedBuffer, layer: int) -> mx.array:
@@ -290,7 +292,7 @@ class _Launches:
         indices: mx.array,
         after: mx.array,
         wait_s: float,
-        in_place: bool = False,
+        in_place: int = 0,
     ) -> _Launches:
         n = indices.size
         threads = _warps(n)
@@ -308,7 +310,7 @@ class _Launches:
             dict(
                 template=[
                     ("N", n),
-                    ("IN_PLACE", int(in_place)),
+                    ("IN_PLACE", in_place),
                     ("IDX", indices.dtype),
                     ("AFTER", after.dtype),
                 ],
@@ -365,7 +367,7 @@ def resolve(
     layout: ExpertLayout,
     wait_s: float,
     after: Optional[mx.array] = None,
-    in_place: bool = False,
+    in_place: int = 0,
 ) -> mx.array:
     """Lazy slots for ``indices`` (one token's experts), made resident on the way (see above).
     ``staging``: where the miss server reads this layout's missed experts. ``after``: the
@@ -376,8 +378,9 @@ def resolve(
     later call's misses evicting slots an earlier one has yet to read. An input of the lookup
     is an edge. Within one forward pass, and from token to token, the order is implied anyway.
     ``wait_s``: how long the GPU waits for the miss server before it gives up. ``in_place``
-    (a pass larger than the slots, on a layer with pinned expert files): what the server
-    leaves out of the slots comes as ``cache.pool.IN_PLACE_BIT | expert``, read where it lies.
+    (a pass larger than the slots): what the server leaves out of them comes as
+    ``cache.pool.IN_PLACE_BIT | i``, read where it lies: ``IN_FILES``, expert ``i`` of the
+    pinned expert files; ``IN_STAGING``, row ``i`` of the staging; 0, nothing is left out.
     """
     t = control.layers[layer]
     indices = _index_array(indices)
@@ -398,10 +401,17 @@ def resolve(
     return launch.fill(inputs=[slots, launch.meta, *pools], **launch.fill_kwargs)[0]
 
 
-def staging_rows(top_k: int) -> int:
-    """Rows of a layout's staging: a token's misses, or two tokens' when a speculative pass's
-    request admits the next token's experts with its own (``miss_server.Hint``)."""
-    return max(1, min(2 * top_k, MAX_SELECTIONS))
+# A layout's staging holds a speculative pass's misses up to this size (it is pinned host memory)
+PASS_STAGING_BYTES = 128 << 20
+
+
+def staging_rows(top_k: int, blob_size: int) -> int:
+    """Rows of a layout's staging: two tokens' misses (a speculative pass's request admits the
+    next token's experts with its own, ``miss_server.Hint``), or as many as the table serves in
+    one call (a whole pass, ``TableCache._fits_whole``) within ``PASS_STAGING_BYTES``."""
+    return max(
+        1, min(2 * top_k, MAX_SELECTIONS), min(MAX_SELECTIONS, PASS_STAGING_BYTES // blob_size)
+    )
 
 
 def fits(n_selected: int, n_slots: int) -> bool:
