@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.switch_layers import SwiGLU
 
 import moeflux_mlx
 from moeflux_mlx.cache.pool import IN_PLACE_BIT, InPlaceExperts, host_view
@@ -32,6 +33,7 @@ from moeflux_mlx.errors import DeviceSetupError, DeviceWaitError, ExpertReadErro
 from moeflux_mlx.format.checkpoint import expert_layout
 from moeflux_mlx.io.store import open_store
 from moeflux_mlx.model.lookup_decoding import LookupStats, NgramIndex, lookup_generate_step
+from moeflux_mlx.model.runtime import StreamingRuntime
 from moeflux_mlx.options import LoadOptions
 
 
@@ -391,6 +393,8 @@ def test_passes_outgrowing_the_slots_are_one_call_the_rest_read_in_place(
         return out
 
     monkeypatch.setattr(InPlaceExperts, "gathered", counting)
+    # plain ops (exact everywhere) read them after a host sync, which the kernels do not need
+    monkeypatch.setattr(StreamingRuntime, "reads_outside", lambda *a: True)
     model, tokenizer = _load_streamed(packed, total, pin_experts=pinned)
     with model.moeflux as rt:
         layers = sorted(rt.cache.control.layers)
@@ -403,6 +407,21 @@ def test_passes_outgrowing_the_slots_are_one_call_the_rest_read_in_place(
             assert sorted(rt.cache._in_staging) == layers
 
 
+def test_passes_outgrowing_the_slots_go_a_token_at_a_time_where_plain_ops_compute(
+    table_on_cpu, reference
+):
+    """Plain ops would read experts outside the pool only after a host sync, so with them a
+    pass larger than the slots goes a token at a time; only the fused CUDA kernels, where they
+    take the layer, read such experts as they run (``reads_outside``)."""
+    packed, _, _, total = reference
+    model, tokenizer = _load_streamed(packed, total)
+    with model.moeflux as rt:
+        x = mx.zeros((1, 3, 64), mx.float32)
+        assert not rt.reads_outside(min(rt.layout.layers), x, mx.zeros((1, 3, 4)), SwiGLU())
+        t = _speculate(model, tokenizer, rt)
+        assert t.calls == t.tokens
+
+
 @pytest.mark.parametrize("pass_staging", [True, False])
 def test_a_short_call_goes_through_the_table_only_while_verifying_drafts(
     table_on_cpu, reference, monkeypatch, pass_staging
@@ -413,6 +432,7 @@ def test_a_short_call_goes_through_the_table_only_while_verifying_drafts(
     packed, _, _, total = reference
     if not pass_staging:
         monkeypatch.setattr(tk, "PASS_STAGING_BYTES", 0)
+    monkeypatch.setattr(StreamingRuntime, "reads_outside", lambda *a: True)
     model, _ = _load_streamed(packed, total)
     x = mx.array([[17, 3, 41]])
     with model.moeflux as rt:

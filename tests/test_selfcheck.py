@@ -71,13 +71,13 @@ def _fake_kernel(kind, dialect, variant="plain", broken=None):
         q = dict(group_size=t["GSZ"], bits=t["BITS"], transpose=True)
         act, slots = inputs[0], inputs[1]
         if kind == "glu":
-            wg, sg, bg, wu, su, bu = inputs[2:]
+            wg, sg, bg, wu, su, bu = inputs[2:8]  # CUDA's in_place comes after
             x = mx.expand_dims(act, (-2, -3))
             gate = mx.gather_qmm(x, wg, sg, bg, rhs_indices=slots, **q)
             up = mx.gather_qmm(x, wu, su, bu, rhs_indices=slots, **q)
             out = SwiGLU()(up, gate).squeeze(-2)
         else:
-            wd, sd, bd = inputs[2:]
+            wd, sd, bd = inputs[2:5]
             out = mx.gather_qmm(
                 mx.expand_dims(act, -2), wd, sd, bd, rhs_indices=slots, **q
             ).squeeze(-2)

@@ -34,9 +34,13 @@ class ExpertCache(Protocol):
         """Slots for ``indices`` (the router's ``[..., k]``) and the pool they index."""
         ...
 
-    def waves(self, layer: int, indices: mx.array) -> Optional[List[mx.array]]:
+    def waves(
+        self, layer: int, indices: mx.array, outside: bool = False
+    ) -> Optional[List[mx.array]]:
         """None: ``lookup`` takes the whole call. Else each token's indices (``[1, k]``, in
-        order), to be looked up and computed one after the other."""
+        order), to be looked up and computed one after the other. ``outside``: the expert
+        computation reads slots that name experts outside the pool (``pool.IN_PLACE_BIT``)
+        without a host sync, so ``lookup`` may return such slots for this call."""
         ...
 
     def computed(self, out: mx.array) -> None:

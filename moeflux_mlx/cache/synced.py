@@ -261,7 +261,9 @@ class HostSyncCache:
         ``whole`` (a whole-layer pool: slot == expert id) rather than read; lazy on the device.
         Caches without slots do nothing."""
 
-    def waves(self, layer: int, indices: mx.array) -> Optional[List[mx.array]]:
+    def waves(
+        self, layer: int, indices: mx.array, outside: bool = False
+    ) -> Optional[List[mx.array]]:
         return None  # every call is looked up whole
 
     def computed(self, out: mx.array) -> None:

@@ -3,14 +3,13 @@
 Decode calls (one token) on partially cached layers look their slots up on the GPU
 (``table_kernels.resolve``), and only the GPU waits, only on misses, for the miss server process,
 which owns those layers' eviction policy (``miss_client``, ``miss_server``). A short multi-token
-call verifying draft tokens (``StreamingRuntime.verifying_drafts``) is served the same way a token
-at a time (``waves``): its first token announces every token's experts, so the server reads the pass's
-union at once and keeps its resident experts until the last token, and no host sync is needed
-however many experts the pass routes to. A pass whose selections all fit the layer's slots and
-one answer's misses is one table call instead, as an all-resident pass is (``_fits_whole``),
-even where its union outgrows the slots: the server admits what they hold, and the expert
-kernels read the rest where it lies (``cache.pool.InPlaceExperts``), in the pinned expert files
-or in the staging the server read it into.
+call verifying draft tokens (``StreamingRuntime.verifying_drafts``) is one table call too
+(``_fits_whole``), however many experts it names: the server admits what the slots hold, and
+the expert kernels read the rest where it lies (``cache.pool.InPlaceExperts``), in the pinned
+expert files or in the staging the server read it into. A pass whose misses the staging cannot
+hold (large experts) is served a token at a time instead (``waves``): its first token announces
+every token's experts, so the server reads the pass's union at once and keeps its resident
+experts until the last token; no host sync either way.
 Synced calls (prefill) ask the server to admit experts
 into the same table and write the bytes themselves, in place. Fully cached layers stay as in
 ``BudgetCache`` (slot == expert id), unless ``every_layer`` (benchmarks: the cost of the lookup
@@ -19,7 +18,10 @@ itself).
 Who writes what: the table (expert -> slot) and the policy's bookkeeping belong to the miss
 server; this process writes pool bytes only from synced calls, after waiting for every table call
 already submitted (``synchronize``), in place, since built-but-unsubmitted calls pick their slots
-when they run (write_cuda.cuh).
+when they run (write_cuda.cuh). The server writes a staging's rows only while it answers a
+request; the GPU reads them after the answer (fill, and the expert kernels for the experts a
+pass left outside the slots), and the next request that could rewrite them comes from a later
+table call, which stream order (and ``resolve``'s ``after``) puts after those reads.
 """
 
 from __future__ import annotations
@@ -132,6 +134,7 @@ class TableCache(BudgetCache):
         self._table_call = False  # whether the last lookup went through the table
         self._enqueued = False  # whether a table call was enqueued since ``synchronize``
         self._whole_pass: Optional[int] = None  # the layer whose pass ``waves`` left whole
+        self._whole_outside = False  # and whether its slots may name experts outside the pool
 
     def _table(self, layer: int) -> Optional[TableLayer]:
         return self.control.layers.get(layer)
@@ -221,7 +224,7 @@ class TableCache(BudgetCache):
             ahead = self.predictor(layer, x, indices.shape[-1])
             if ahead is not None and self._table(ahead[0]) is not None:  # the server reads ahead
                 indices = self._hint(ahead[0], indices, ahead[1])
-        slots, pool = self._resolve(layer, indices, whole)
+        slots, pool = self._resolve(layer, indices, whole and self._whole_outside)
         self._table_call = True
         stats.calls += 1
         stats.unsynced_calls += 1
@@ -229,7 +232,9 @@ class TableCache(BudgetCache):
         stats.experts_routed += indices.size
         return slots, pool
 
-    def waves(self, layer: int, indices: mx.array) -> Optional[List[mx.array]]:
+    def waves(
+        self, layer: int, indices: mx.array, outside: bool = False
+    ) -> Optional[List[mx.array]]:
         """A speculative pass's call on a table layer (2 or more tokens, all their selections
         within a hint) as one table call per token, the first announcing every token's experts
         (``table_kernels.hint``); None for any other call, and for a pass whose selections
@@ -248,8 +253,8 @@ class TableCache(BudgetCache):
             return None
         if not table_kernels.fits(k, self.n_slots[layer]):
             return None
-        if self._fits_whole(layer, indices):
-            self._whole_pass = layer
+        if self._fits_whole(layer, indices, outside):
+            self._whole_pass, self._whole_outside = layer, outside
             return None
         rows = indices.reshape(n, k)
         self._enqueued = True
@@ -276,23 +281,29 @@ class TableCache(BudgetCache):
             indices.size, self.n_slots[layer]
         )
 
-    def _fits_whole(self, layer: int, indices: mx.array) -> bool:
+    def _fits_whole(self, layer: int, indices: mx.array, outside: bool) -> bool:
         """Whether one table call can serve a pass: its selections (duplicates counted) within
         one request, and its misses within what one answer brings: with pinned files the copy
         list, else the staging's rows. Then its union is admitted at once, and the expert
-        kernels run once for all its tokens, as for an all-resident pass. A union larger than
-        the slots is served too where the kernels can read the rest in place: the server
-        admits what the slots hold, resident experts first (``miss_server.within_slots``), and
-        leaves the rest in the pinned files, or reads it into the staging after the misses."""
+        kernels run once for all its tokens, as for an all-resident pass. With ``outside`` (the
+        expert computation reads experts outside the pool) a union larger than the slots is
+        served too: the server admits what the slots hold, resident experts first
+        (``miss_server.within_slots``), and leaves the rest in the pinned files, or reads it
+        into the staging after the misses."""
         n = indices.size
         if n > MAX_SELECTIONS:
             return False
+        if not outside:
+            return table_kernels.fits(n, self.n_slots[layer]) and (
+                self.control.layers[layer].sources is not None
+                or n <= table_kernels.staging_rows(indices.shape[-1], self._blob(layer))
+            )
         if layer in self.in_place:
             return True
         if self.control.layers[layer].sources is not None:  # pinned, not readable in place
             return table_kernels.fits(n, self.n_slots[layer])
         k = indices.shape[-1]
-        if n > table_kernels.staging_rows(k, self.store.layout(layer).blob_size):
+        if n > table_kernels.staging_rows(k, self._blob(layer)):
             return False
         return table_kernels.fits(n, self.n_slots[layer]) or self._staged(layer, k) is not None
 
@@ -305,8 +316,11 @@ class TableCache(BudgetCache):
             )
         return self._in_staging[layer]
 
+    def _blob(self, layer: int) -> int:
+        return self.store.layout(layer).blob_size
+
     def _staging_for(self, layer: int, top_k: int) -> PinnedBuffer:
-        blob = self.store.layout(layer).blob_size
+        blob = self._blob(layer)
         return self.server.staging_for(blob, table_kernels.staging_rows(top_k, blob))
 
     def _hint(self, layer: int, indices: mx.array, predicted: mx.array) -> mx.array:

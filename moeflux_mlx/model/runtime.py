@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator, Optional
+from typing import Dict, Iterator, Optional
 
 import mlx.core as mx
 
@@ -17,7 +17,14 @@ from ..cache.pool import DeviceStaging
 from ..cache.protocol import ExpertCache
 from ..cache.row_copies import HostRowCopies, RowCopies
 from ..cache.staging import StagingCache
-from ..compute.backend import Backend, backend_report, select_backend, served_summary
+from ..compute.backend import (
+    Backend,
+    backend_report,
+    layer_choice,
+    select_backend,
+    served_summary,
+)
+from ..compute.kernels import MAX_TOKENS, ExpertSpec, KernelBackend
 from ..cuda import layer_copy
 from ..cuda import runtime as cuda_runtime
 from ..cuda.copy_engine import copy_engine
@@ -160,6 +167,7 @@ class StreamingRuntime:
         self.first_layer = min(layout.layers) if layout.layers else None
         self.closed = False
         self.verifying = False  # see verifying_drafts
+        self._reads_outside: Dict[tuple, bool] = {}  # see reads_outside
 
     @contextlib.contextmanager
     def verifying_drafts(self) -> Iterator[None]:
@@ -172,6 +180,31 @@ class StreamingRuntime:
             yield
         finally:
             self.verifying = before
+
+    def reads_outside(self, layer: int, x: mx.array, indices: mx.array, activation) -> bool:
+        """Whether the expert computation of ``layer`` takes a call shaped like this one, its
+        slots naming experts outside the pool (``cache.pool.IN_PLACE_BIT``), without a host
+        sync: the fused CUDA kernels, where they cover the layer. Plain ops read such experts
+        too, but only after a host sync; the cache then serves a speculative pass larger than
+        the slots a token at a time instead."""
+        key = (layer, x.dtype, tuple(indices.shape), type(activation))
+        known = self._reads_outside.get(key)
+        if known is None:
+            b = self.backend
+            known = self._reads_outside[key] = (
+                isinstance(b, KernelBackend)
+                and b.dialect == "cuda"
+                and indices.size // indices.shape[-1] <= MAX_TOKENS
+                and layer_choice(
+                    b,
+                    ExpertSpec.of_layout(self.store.layout(layer)),
+                    activation,
+                    dtype=x.dtype,
+                    topk=indices.shape[-1],
+                ).backend
+                == "cuda"
+            )
+        return known
 
     @property
     def stats(self) -> Stats:

@@ -29,7 +29,10 @@ class StreamingSwitchGLU(nn.Module):
         rt.check_open()
         if self.layer == rt.first_layer:  # what the miss server or the GPU ran into since
             rt.cache.check()  # the last forward pass
-        waves = rt.cache.waves(self.layer, indices) if rt.verifying else None
+        waves = None
+        if rt.verifying:
+            outside = rt.reads_outside(self.layer, x, indices, self.activation)
+            waves = rt.cache.waves(self.layer, indices, outside)
         if waves is None:
             return self._experts(x, indices)
         rows = x.reshape(-1, x.shape[-1])
