@@ -290,22 +290,24 @@ class TableCache(BudgetCache):
         served too: the server admits what the slots hold, resident experts first
         (``miss_server.within_slots``), and leaves the rest in the pinned files, or reads it
         into the staging after the misses."""
-        n = indices.size
+        n, k = indices.size, indices.shape[-1]
         if n > MAX_SELECTIONS:
             return False
-        if not outside:
-            return table_kernels.fits(n, self.n_slots[layer]) and (
-                self.control.layers[layer].sources is not None
-                or n <= table_kernels.staging_rows(indices.shape[-1], self._blob(layer))
-            )
-        if layer in self.in_place:
+        pinned = self.control.layers[layer].sources is not None
+        if not pinned and n > table_kernels.staging_rows(k, self._blob(layer)):
+            return False  # the staging takes every miss of the answer
+        if table_kernels.fits(n, self.n_slots[layer]):
             return True
-        if self.control.layers[layer].sources is not None:  # pinned, not readable in place
-            return table_kernels.fits(n, self.n_slots[layer])
-        k = indices.shape[-1]
-        if n > table_kernels.staging_rows(k, self._blob(layer)):
-            return False
-        return table_kernels.fits(n, self.n_slots[layer]) or self._staged(layer, k) is not None
+        return outside and self._outside(layer, k)[1] is not None
+
+    def _outside(self, layer: int, top_k: int) -> Tuple[int, Optional[InPlaceExperts]]:
+        """Where the expert kernels read the experts a pass leaves out of the layer's slots,
+        with ``resolve``'s mode for it: the pinned files, the staging, or ``(0, None)``."""
+        if self.control.layers[layer].sources is not None:
+            where = self.in_place.get(layer)
+            return (table_kernels.IN_FILES, where) if where is not None else (0, None)
+        where = self._staged(layer, top_k)
+        return (table_kernels.IN_STAGING, where) if where is not None else (0, None)
 
     def _staged(self, layer: int, top_k: int) -> Optional[InPlaceExperts]:
         """Where the expert kernels read experts from the layer's staging (None: they cannot)."""
@@ -347,16 +349,9 @@ class TableCache(BudgetCache):
         if stream not in self._streams:
             self._streams.append(stream)
         k = indices.shape[-1]
-        mode, where = 0, None
-        if whole:
-            where = self.in_place.get(layer)
-            mode = table_kernels.IN_FILES
-            if where is None and self.control.layers[layer].sources is None:
-                where, mode = self._staged(layer, k), table_kernels.IN_STAGING
-            if where is None:
-                mode = 0  # the pass fits the slots (``_fits_whole``)
-            elif pool.in_place is not where:
-                pool.read_in_place(where)
+        mode, where = self._outside(layer, k) if whole else (0, None)
+        if where is not None and pool.in_place is not where:
+            pool.read_in_place(where)
         slots = table_kernels.resolve(
             self.control,
             self._staging_for(layer, k),  # a whole pass's misses fit it (_fits_whole)
