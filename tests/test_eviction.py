@@ -1,5 +1,7 @@
 """Eviction policies (cache.policy): each keeps output exact, and each evicts what it says."""
 
+import signal
+
 import mlx.core as mx
 import mlx_lm
 import numpy as np
@@ -17,6 +19,7 @@ from moeflux_mlx.cache.policy import (
     S3FIFOPolicy,
     TransitionPolicy,
 )
+from moeflux_mlx.cuda.miss_server import within_slots
 from moeflux_mlx.format.checkpoint import expert_layout
 from moeflux_mlx.options import EVICTIONS, LoadOptions
 
@@ -199,6 +202,60 @@ def test_no_policy_evicts_what_the_call_needs_on_random_traces(policy, n_slots, 
     ]
     p, misses = _run(POLICIES[policy], trace, n_slots=n_slots, num_experts=32)
     assert 0 < sum(map(len, misses)) < 300 * k
+
+
+@pytest.fixture
+def no_hang():
+    """Turn an eviction that goes around forever into a failure after 20 s."""
+
+    def hung(*_):
+        raise TimeoutError("the eviction did not end")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def test_s3fifo_a_call_holding_all_of_main_takes_from_the_small_queue(no_hang):
+    # 20 slots (a small queue of 2) hold 0-19, all in the small queue. A pass uses 0-18 and
+    # misses 20: 0-18 move to the main queue (used again), which leaves 19 alone in the small
+    # queue, below its share, and the main queue all the call's. The small queue must give up 19
+    p, _ = _run(S3FIFOPolicy, [[e] for e in range(20)], n_slots=20, num_experts=40)
+    assert p.small_size == 2 and len(p.small) == 20 and not p.main
+    slot_19 = p.slot_of[19]
+    missing, victims = p.admit(np.array(list(range(19)) + [20]), 30)
+    assert missing.tolist() == [20] and victims.tolist() == [slot_19]
+    assert len(p.main) == 19 and not p.small
+    # a call beyond the slots (callers split those) is refused rather than left going around
+    with pytest.raises(RuntimeError, match="holds every slot"):
+        p.admit(np.arange(19, 40), 31)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_passes_that_fill_the_slots_end_and_keep_what_they_use(policy, no_hang):
+    # speculative passes served as one call: within_slots admits the resident experts then the
+    # earliest absent ones, as many as the slots hold, so a call often leaves no slot it does not
+    # use, or exactly as many as it misses
+    rng = np.random.default_rng(7)
+    n_slots, num_experts, top_k = 20, 48, 8
+    p = POLICIES[policy](num_experts, n_slots)
+    hot = rng.choice(num_experts, 24, replace=False)
+    for tick in range(1, 400):
+        tokens = int(rng.integers(1, 6))
+        # the pass's tokens route mostly among the hot experts, now and then anywhere
+        request = np.concatenate(
+            [
+                rng.choice(hot if rng.random() < 0.7 else num_experts, top_k, replace=False)
+                for _ in range(tokens)
+            ]
+        )
+        experts, _ = within_slots(request, p.slot_of, n_slots)
+        missing, victims = p.admit(experts, tick)
+        p.assign(missing, victims, tick)
+        assert (p.slot_of[experts] >= 0).all()
+        assert (p.slot_of >= 0).sum() <= n_slots
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))

@@ -536,27 +536,41 @@ class S3FIFOPolicy(LRUPolicy):
         return np.array(out, np.int64)
 
     def _evict_one(self) -> int:
-        """Take one slot out of the queues (S3-FIFO's eviction); the caller frees it."""
-        # A slot of this call is never taken; enough others exist (the call fits the slots), and
-        # each pass lowers a count or drains S, so this ends.
+        """Take one slot out of the queues (S3-FIFO's eviction); the caller frees it.
+
+        Raises:
+            RuntimeError: every held slot is used by the call being admitted (a caller must
+                admit no more than the slots hold)."""
+        # A slot of this call is never taken. ``passed`` counts M's slots passed over for that
+        # reason since M last held one that is not: once it reaches M's length, every slot in M
+        # is the call's, and S gives one up even below its share. Else a call holding all of M
+        # (a speculative pass filling the slots) would go around forever.
+        passed = 0
         while True:
-            if self.small and (len(self.small) >= self.small_size or not self.main):
+            main_spent = passed >= len(self.main)
+            if self.small and (len(self.small) >= self.small_size or main_spent):
                 s = self.small.popleft()
                 if self.uses[s] > 0 or self.last_used[s] == self.now:
                     self.main.append(s)  # used again while in S: promoted
                     self.queue[s] = 2
+                    if self.last_used[s] != self.now:
+                        passed = 0  # M holds a slot it may yet give up
                     continue
                 self.ghost[int(self.expert_in[s])] = None
                 while len(self.ghost) > self.ghost_size:
                     self.ghost.popitem(last=False)
+            elif main_spent:
+                raise RuntimeError("s3fifo: the call being admitted holds every slot")
             else:
                 s = self.main.popleft()
                 if self.last_used[s] == self.now:
                     self.main.append(s)
+                    passed += 1
                     continue
                 if self.uses[s] > 0:
                     self.uses[s] -= 1
                     self.main.append(s)
+                    passed = 0
                     continue
             self.queue[s] = 0
             return s
