@@ -215,7 +215,13 @@ def write(result: dict, out: Path, stem: str) -> List[Path]:
                 f"experts); {result['prompt_tokens']}-token prompt, {result['decode_tokens']} "
                 f"decode tokens; pipeline over {result['backends']['pipeline']}, tensor "
                 f"parallelism over {result['backends']['tensor']}; routing: "
-                f"{result['routing_trace'] or 'the model’s own'}.",
+                f"{result['routing_trace'] or 'the model’s own'}"
+                + (
+                    " (replayed: real reuse and skew at this model's expert sizes; the output "
+                    "tokens are meaningless by design)."
+                    if result["routing_trace"]
+                    else "."
+                ),
                 f"Disk: cold random reads at expert size {_f(bw[0], '{:.2f}')} GB/s, page cache "
                 f"{_f(bw[1], '{:.2f}')} GB/s. One run of each row.",
                 "",

@@ -13,6 +13,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.switch_layers import SwitchGLU
 
 import moeflux_mlx
+from moeflux_mlx.benchmark.report import summary_lines
 from moeflux_mlx.benchmark.routing import RoutingTrace
 from moeflux_mlx.benchmark.trace_routing import TraceRoutingError, drive_routing, rewind_routing
 from moeflux_mlx.format.checkpoint import expert_layout
@@ -234,3 +235,9 @@ def test_replaying_predictions_needs_them_and_the_trace_s_layers(ckpt):
     three.predicted = {"ridge": np.zeros((30, 2, 2 * TOP_K), np.int64)}
     with pytest.raises(TraceRoutingError, match="needs the trace's 3 MoE layers"):
         drive_routing(model, three, predictions="ridge")
+
+
+def test_the_report_says_the_tokens_are_meaningless_when_routing_is_replayed():
+    replayed = " ".join(summary_lines({"routing_trace": "t.npz", "runs": []}))
+    assert "Routing replayed from t.npz" in replayed and "meaningless by design" in replayed
+    assert "meaningless" not in " ".join(summary_lines({"routing_trace": None, "runs": []}))
