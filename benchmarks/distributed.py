@@ -40,6 +40,7 @@ import numpy as np  # noqa: E402
 from moeflux_mlx.benchmark.distributed import gpu_count, launch_job  # noqa: E402
 from moeflux_mlx.benchmark.pagecache import read_bandwidth  # noqa: E402
 from moeflux_mlx.benchmark.report import free_stem, machine_name, machine_tag  # noqa: E402
+from moeflux_mlx.benchmark.trace_routing import REPLAYED_ROUTING  # noqa: E402
 from moeflux_mlx.commands.bench import add_model_args, benchmark_model  # noqa: E402
 from moeflux_mlx.commands.common import UsageError, main_for, user_cache_dir  # noqa: E402
 from moeflux_mlx.format.checkpoint import expert_layout  # noqa: E402
@@ -216,12 +217,7 @@ def write(result: dict, out: Path, stem: str) -> List[Path]:
                 f"decode tokens; pipeline over {result['backends']['pipeline']}, tensor "
                 f"parallelism over {result['backends']['tensor']}; routing: "
                 f"{result['routing_trace'] or 'the model’s own'}"
-                + (
-                    " (replayed: real reuse and skew at this model's expert sizes; the output "
-                    "tokens are meaningless by design)."
-                    if result["routing_trace"]
-                    else "."
-                ),
+                + (f" (replayed: {REPLAYED_ROUTING})." if result["routing_trace"] else "."),
                 f"Disk: cold random reads at expert size {_f(bw[0], '{:.2f}')} GB/s, page cache "
                 f"{_f(bw[1], '{:.2f}')} GB/s. One run of each row.",
                 "",

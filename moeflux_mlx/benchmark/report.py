@@ -13,6 +13,8 @@ from typing import List, Optional
 import mlx.core as mx
 import psutil
 
+from .trace_routing import REPLAYED_ROUTING
+
 CEILING = "moeflux experts skipped (ceiling)"
 
 log = logging.getLogger(__name__)
@@ -98,8 +100,7 @@ def summary_lines(result: dict) -> List[str]:
     if result.get("routing_trace"):
         out.append(
             f"Routing replayed from {result['routing_trace']} (every MoE layer's router replaced): "
-            "real reuse and skew at this model's expert sizes; the output tokens are "
-            "meaningless by design"
+            + REPLAYED_ROUTING
         )
     for key, what in (
         (

@@ -33,6 +33,11 @@ from ..model.experts import find_experts, find_router
 from ..model.switch import StreamingSwitchGLU
 from .routing import RoutingTrace
 
+# what a report says of a run whose routing was replayed
+REPLAYED_ROUTING = (
+    "real reuse and skew at this model's expert sizes; the output tokens are meaningless by design"
+)
+
 # Far below any real logit: after the softmax the traced experts hold all the weight.
 _OFF = -30.0
 
