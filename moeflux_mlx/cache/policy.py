@@ -3,18 +3,16 @@ which slot) and the choice of the slots to free for missing experts. Plain numpy
 process uses them without MLX.
 
 A policy is a class: ``EvictionPolicy`` keeps the bookkeeping, a subclass says which slots are
-used (``touch``) and which to free (``victims``). ``POLICIES`` names them (``LoadOptions
-.eviction``): ``lru`` evicts the least recently used; ``lfu`` the least frequently used (use counts
-kept across evictions); ``lfuda`` LFU with dynamic aging (an expert's priority is its count plus
-the priority of the last one evicted, so old fame fades); ``decay`` the lowest exponentially
-decayed use count; ``transition`` (the default) decayed counts raised by how often each expert
-followed the experts of the call being admitted (``TransitionPolicy``); ``logistic`` that plus
-an online logistic model of the next two calls (``LogisticPolicy``); ``s3fifo`` S3-FIFO,
-scan-resistant (``S3FIFOPolicy``). Ties go to the least recently used. ``docs/routing.md`` has
-the replayed and live miss counts that chose the default.
+used (``touch``) and which to free (``victims``). ``POLICIES`` names the two a user
+may choose (``LoadOptions.eviction``): ``transition`` (the default), the lowest exponentially
+decayed use count (``DecayPolicy``) raised by how often each expert followed the experts of the
+call being admitted; and ``lru``, the least recently used, the classic baseline it is measured
+against. Ties go to the least recently used. Frequency counts (LFU, LFU with aging), an online
+logistic model of the next calls and S3-FIFO were measured too and never beat ``transition``
+by more than the noise live; the git history keeps them.
 
-``observe`` teaches a policy calls it did not serve (a prefill that read its layers whole,
-``LoadOptions.prefill_learns``): what it learns from routing, never which experts are resident.
+``observe`` teaches a policy calls it did not serve (a prefill that read its layers whole):
+what it learns from routing, never which experts are resident.
 
 Every policy frees only slots the call being admitted does not use: ``admit`` marks the call's
 hits used at its tick (``now``) before it asks for victims, and no policy picks a slot used at
@@ -34,8 +32,7 @@ slot's GPU uses count once: at a small budget nearly every call has a miss, so l
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from typing import Deque, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import numpy as np
 
@@ -234,41 +231,6 @@ class _CountingPolicy(LRUPolicy):
         return order[:n]
 
 
-class LFUPolicy(_CountingPolicy):
-    """Least frequently used: the fewest uses so far (ties: least recently used)."""
-
-    name = "lfu"
-
-    def score(self, experts: np.ndarray, tick: int) -> np.ndarray:
-        return self.count[experts]
-
-
-class LFUDAPolicy(_CountingPolicy):
-    """LFU with dynamic aging: priority = uses + the cache's age, where the age is the priority
-    of the last expert evicted; an expert used often long ago ages out."""
-
-    name = "lfuda"
-
-    def setup_scores(self, num_experts: int) -> None:
-        self.age = 0.0
-        self.priority = np.zeros(num_experts, np.float64)
-
-    def used(self, experts: np.ndarray, tick: Union[int, np.ndarray]) -> None:
-        super().used(experts, tick)
-        self.priority[experts] = self.count[experts] + self.age
-
-    def score(self, experts: np.ndarray, tick: int) -> np.ndarray:
-        return self.priority[experts]
-
-    def victims(self, n: int) -> np.ndarray:
-        out = super().victims(n)
-        evicted = self.expert_in[out]
-        evicted = evicted[evicted >= 0]
-        if evicted.size:
-            self.age = float(self.priority[evicted].max())
-        return out
-
-
 class DecayPolicy(_CountingPolicy):
     """The lowest use count decayed exponentially with a half-life of ``half_life`` calls."""
 
@@ -394,72 +356,6 @@ class TransitionPolicy(DecayPolicy):
         return (self.weight * self.half_life / cur.size) * rows.sum(axis=0)
 
 
-class LogisticPolicy(TransitionPolicy):
-    """``transition``'s score plus ``logistic_weight x half_life x`` (p1 + ``second`` x p2),
-    where p1 and p2 are an online logistic model's chances that the layer's next call and the
-    one after it route each expert, given this call's experts.
-
-    Each model is a matrix of experts x experts and a bias per expert: a call's logit for ``e``
-    is the bias plus the sum of ``W[c, e]`` over the call's experts ``c``. At each admission the
-    call's experts are the labels of one stochastic gradient step (learning rate ``lr``) for
-    the call before it (next-call model) and the one before that (the call after next). Where
-    ``transition`` only counts which experts followed which, the model learns which experts of
-    a call matter for what comes next, and looks a call further ahead. ``2 x num_experts ** 2``
-    float32 more per layer than ``transition``, O(k x num_experts) per call."""
-
-    name = "logistic"
-    lr = 0.05  # these three from the trained demo's replayed traces (docs/routing.md)
-    logistic_weight = 4.0
-    second = 0.5
-    prior_logit = -2.0  # a call routes few of the layer's experts
-    observe_rows = 32  # of a prefill's rows (``observe``), the latest this many teach the models
-
-    def setup_scores(self, num_experts: int) -> None:
-        super().setup_scores(num_experts)
-        shape = (num_experts, num_experts)
-        self.w_next, self.w_after = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
-        self.b_next = np.full(num_experts, self.prior_logit, np.float32)
-        self.b_after = np.full(num_experts, self.prior_logit, np.float32)
-        self.before_previous: Optional[np.ndarray] = None
-
-    def _learn(self, w: np.ndarray, b: np.ndarray, x: np.ndarray, routed: np.ndarray) -> None:
-        step = self.lr * (routed - _sigmoid(w[x].sum(axis=0) + b))
-        w[x] += step
-        b += step
-
-    def _learn_rows(self, rows: np.ndarray, first_tick: int) -> None:
-        # one SGD step a row costs tens of microseconds: only the latest rows, in order, the
-        # first following none the policy saw
-        rows = rows[-self.observe_rows :]
-        self.previous = self.before_previous = None
-        for row in rows:
-            experts = np.unique(row)
-            self._learn_models(experts)
-            self.previous = experts
-
-    def _learn_call(self, experts: np.ndarray, tick: int) -> None:
-        self._learn_models(experts)
-        super()._learn_call(experts, tick)
-
-    def _learn_models(self, experts: np.ndarray) -> None:
-        """One SGD step of each model, on ``experts`` (unique) after ``previous`` and
-        ``before_previous``; moves ``before_previous`` on (``previous`` is the caller's)."""
-        routed = np.zeros(self.b_next.size, np.float32)
-        routed[experts] = 1.0
-        prev, before = self.previous, self.before_previous
-        if prev is not None and prev.size:
-            self._learn(self.w_next, self.b_next, prev, routed)
-        if before is not None and before.size:
-            self._learn(self.w_after, self.b_after, before, routed)
-        self.before_previous = prev
-
-    def _follows(self, cur: np.ndarray) -> np.ndarray:
-        p_next = _sigmoid(self.w_next[cur].sum(axis=0) + self.b_next)
-        p_after = _sigmoid(self.w_after[cur].sum(axis=0) + self.b_after)
-        ahead = self.logistic_weight * self.half_life * (p_next + self.second * p_after)
-        return super()._follows(cur) + ahead
-
-
 def _routed(rows: np.ndarray, num_experts: int) -> np.ndarray:
     """``[n, num_experts]`` float32: 1 where row i routed expert e."""
     rows = np.asarray(rows, np.int64).reshape(len(rows), -1)
@@ -468,133 +364,5 @@ def _routed(rows: np.ndarray, num_experts: int) -> np.ndarray:
     return out
 
 
-def _sigmoid(z: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-z))
-
-
-class S3FIFOPolicy(LRUPolicy):
-    """S3-FIFO (Yang et al., SOSP 2023): a small FIFO queue for newcomers, a main FIFO queue for
-    experts used again, and a ghost queue of experts recently dropped from the small one.
-
-    A missed expert enters the small queue ``S`` (a tenth of the slots), or the main queue ``M``
-    if it is still in the ghost queue ``G`` (it was dropped from ``S`` recently, so it is coming
-    back). A hit only raises the slot's use count (at most 3). To free a slot: while ``S`` holds
-    its share, its oldest entry moves to ``M`` if it was used again since it came in, else it
-    leaves and its expert joins ``G``; otherwise ``M``'s oldest entry goes around again with its
-    count lowered by one if it was used, else it leaves.
-
-    Why S3-FIFO and not ARC: both keep a burst of experts used once (a scan: a prompt's
-    prefill, an unusual token) from flushing the experts used again and again, since newcomers
-    must prove themselves in a small queue before they can displace the main one. S3-FIFO does it
-    with FIFO queues and a 2-bit count per slot that a hit only increments, while ARC moves an
-    entry between LRU lists on every hit; the device-side table's GPU could bump such a count the
-    way it records last uses now, and the host would keep the queues. It has one fixed setting
-    (the small queue's share) where ARC adapts a target size from its ghost hits, which a layer's
-    few slots and short bursts would leave noisy. (It keeps LRU's last uses only to know which
-    slots the call being admitted uses.)
-
-    Slots used by the call being admitted are never freed: in ``S`` they move to ``M`` (they are
-    being used again), in ``M`` they go around without losing their count."""
-
-    name = "s3fifo"
-    small_share = 0.1  # of the slots: the small queue's share (the paper's 10%)
-    max_count = 3  # a 2-bit use count
-
-    def setup(self, num_experts: int, n_slots: int) -> None:
-        self.small: Deque[int] = deque()  # slots, oldest first
-        self.main: Deque[int] = deque()
-        self.ghost: OrderedDict[int, None] = OrderedDict()  # experts, oldest first
-        self.queue = np.zeros(n_slots, np.int8)  # slot -> 0 free, 1 small, 2 main
-        self.uses = np.zeros(n_slots, np.int8)  # slot -> uses since it came in, capped
-        self.small_size = max(1, int(round(self.small_share * n_slots)))
-        self.ghost_size = max(1, n_slots - self.small_size)  # as many as the main queue holds
-
-    def touch(self, slots: np.ndarray, tick: int) -> None:
-        super().touch(slots, tick)
-        for s in slots.tolist():
-            if self.queue[s]:  # a hit
-                self.uses[s] = min(self.uses[s] + 1, self.max_count)
-                continue
-            expert = int(self.expert_in[s])  # just assigned: a newcomer
-            self.uses[s] = 0
-            if expert in self.ghost:
-                del self.ghost[expert]
-                self.main.append(s)
-                self.queue[s] = 2
-            else:
-                self.small.append(s)
-                self.queue[s] = 1
-
-    def device_used(self, slots: np.ndarray, ticks: np.ndarray) -> None:
-        held = slots[self.queue[slots] > 0]
-        self.uses[held] = np.minimum(self.uses[held] + 1, self.max_count)
-
-    def victims(self, n: int) -> np.ndarray:
-        out = np.flatnonzero(self.queue == 0)[:n].tolist()  # free slots first
-        while len(out) < n:
-            out.append(self._evict_one())
-        return np.array(out, np.int64)
-
-    def _evict_one(self) -> int:
-        """Take one slot out of the queues (S3-FIFO's eviction); the caller frees it.
-
-        Raises:
-            RuntimeError: every held slot is used by the call being admitted (a caller must
-                admit no more than the slots hold)."""
-        # A slot of this call is never taken. ``passed`` counts M's slots passed over for that
-        # reason since M last held one that is not: once it reaches M's length, every slot in M
-        # is the call's, and S gives one up even below its share. Else a call holding all of M
-        # (a speculative pass filling the slots) would go around forever.
-        passed = 0
-        while True:
-            main_spent = passed >= len(self.main)
-            if self.small and (len(self.small) >= self.small_size or main_spent):
-                s = self.small.popleft()
-                if self.uses[s] > 0 or self.last_used[s] == self.now:
-                    self.main.append(s)  # used again while in S: promoted
-                    self.queue[s] = 2
-                    if self.last_used[s] != self.now:
-                        passed = 0  # M holds a slot it may yet give up
-                    continue
-                self.ghost[int(self.expert_in[s])] = None
-                while len(self.ghost) > self.ghost_size:
-                    self.ghost.popitem(last=False)
-            elif main_spent:
-                raise RuntimeError("s3fifo: the call being admitted holds every slot")
-            else:
-                s = self.main.popleft()
-                if self.last_used[s] == self.now:
-                    self.main.append(s)
-                    passed += 1
-                    continue
-                if self.uses[s] > 0:
-                    self.uses[s] -= 1
-                    self.main.append(s)
-                    passed = 0
-                    continue
-            self.queue[s] = 0
-            return s
-
-    def forget(self, slots: np.ndarray) -> None:
-        super().forget(slots)
-        for s in slots.tolist():
-            if self.queue[s] == 1:
-                self.small.remove(s)
-            elif self.queue[s] == 2:
-                self.main.remove(s)
-            self.queue[s] = 0
-            self.uses[s] = 0
-
-
-POLICIES = {
-    p.name: p
-    for p in (
-        LRUPolicy,
-        LFUPolicy,
-        LFUDAPolicy,
-        DecayPolicy,
-        TransitionPolicy,
-        LogisticPolicy,
-        S3FIFOPolicy,
-    )
-}
+# the choices of ``LoadOptions.eviction``; ``DecayPolicy`` is the base of ``transition``
+POLICIES = {p.name: p for p in (TransitionPolicy, LRUPolicy)}

@@ -20,7 +20,6 @@ import numpy as np
 
 from ..format.layout import ExpertLayout, Quantization
 from ..stats import LayerStats
-from .row_copies import RowCopies
 
 MX_DTYPES = {
     "U8": mx.uint8,
@@ -139,22 +138,19 @@ class DeviceStaging:
 
     Safe to share for the same reason a pool is safe to rewrite (``cache.budget``'s write
     ordering). Requests over ``STAGING_KEEP_BYTES`` (prefill) get a buffer of their own that is
-    not kept. ``allocate(shape)``: a uint8 MLX array the GPU reads in place. ``copies``: where
-    a prefill's whole layers go to the device beside MLX (``cache.row_copies``; None: through
-    ``allocate``'s staging and a copy kernel). ``copy_layer(staged, layout)``: that copy kernel,
-    a layer's components as device arrays, lazy (CUDA: ``cuda.layer_copy``; None, or None
-    returned: MLX's copies)."""
+    not kept. ``allocate(shape)``: a uint8 MLX array the GPU reads in place.
+    ``copy_layer(staged, layout)``: the copy kernel that moves a prefill's whole layer out of
+    that staging, a layer's components as device arrays, lazy (CUDA: ``cuda.layer_copy``; None,
+    or None returned: MLX's copies)."""
 
     def __init__(
         self,
         allocate: Callable[[tuple], mx.array],
-        copies: Optional[RowCopies] = None,
         copy_layer: Optional[
             Callable[[mx.array, ExpertLayout], Optional[Dict[str, mx.array]]]
         ] = None,
     ):
         self.allocate = allocate
-        self.copies = copies
         self.copy_layer = copy_layer
         self._buf: Optional[mx.array] = None
 
@@ -273,41 +269,10 @@ def _copy_device(dst: SlotPool, slots: np.ndarray, src: Dict[str, mx.array], row
     dst._typed()
 
 
-def whole_blobs(whole: ExpertPool, layout: ExpertLayout, experts: np.ndarray) -> mx.array:
-    """``experts``' blobs ``[n, blob_size]`` (uint8, padding zeroed) gathered from a whole-layer
-    pool (slot == expert id), lazily on the device."""
-    rows = mx.array(experts.astype(np.uint32))
-    parts, at = [], 0
-    for c in layout.components:
-        if c.offset > at:
-            parts.append(mx.zeros((len(experts), c.offset - at), mx.uint8))
-        arr = whole.arrays[c.name]
-        parts.append(arr.view(mx.uint8).reshape(arr.shape[0], -1)[rows])
-        at = c.offset + c.nbytes
-    if layout.blob_size > at:
-        parts.append(mx.zeros((len(experts), layout.blob_size - at), mx.uint8))
-    return mx.concatenate(parts, axis=1)
-
-
-def copy_from_whole(
-    dst: SlotPool, slots: np.ndarray, whole: ExpertPool, experts: np.ndarray
-) -> None:
-    """Copy ``experts`` of a whole-layer pool (slot == expert id) into ``dst``'s ``slots``:
-    through host views where ``dst`` is host-written (its memory is the host's, and so is the
-    whole pool's, whose arrays were evaluated: no wait for the device), else on the device,
-    lazily."""
-    comps = dst.layout.components
-    if dst.host is not None:
-        _copy_host(dst, slots, {c.name: host_view(whole.arrays[c.name]) for c in comps}, experts)
-    else:
-        src = {c.name: whole.arrays[c.name].view(mx.uint8).reshape(-1, c.nbytes) for c in comps}
-        _copy_device(dst, slots, src, experts)
-
-
 def read_blobs(
     reader, layer: int, experts: np.ndarray, stats: LayerStats, out: Optional[np.ndarray] = None
 ) -> np.ndarray:
-    """``reader.read`` (a store, or a prefetcher in front of one), counted in ``stats``."""
+    """``reader.read`` (the store), counted in ``stats``."""
     t0 = time.perf_counter()
     blobs = reader.read(layer, experts, out)
     stats.io_s += time.perf_counter() - t0

@@ -1,62 +1,89 @@
-"""What the streaming module asks a cache, and nothing more.
-
-One question per call: ``lookup(layer, x, indices, stats)`` -> ``(slots, pool)``: the slots of
-the routed experts, resident by the time the returned (lazy) arrays are evaluated, and the pool
-they live in. Whether a host sync, the device-side table or full residency answers it is the
-cache's business. Then ``computed(out)`` tells the cache which computation reads those slots, so
-that no later write overtakes it. Before them, for a call verifying draft tokens
-(``StreamingRuntime.verifying_drafts``), ``waves(layer, indices)`` may split it into a lookup and
-a computation per token (the device-side table serves such a pass so, unless its selections
-all fit the layer's slots at once: then the lookup that follows serves it as one call).
-"""
+"""The two seams of the cache: a layer's ``Book`` (which expert sits in which slot, and who
+keeps that) and the ``SlotTable`` (the device-side table, the optional CUDA wing, which answers
+decode calls on the GPU). ``cache/`` never imports ``cuda/``: the runtime hands the table in."""
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Protocol, Tuple
+from typing import Callable, Dict, List, Protocol, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
 
 from ..stats import LayerStats, Stats
-from .pool import ExpertPool
-
-# (layer, x, k) -> (next MoE layer, its predicted experts, lazy) or None: see model.predict
-Predictor = Callable[[int, mx.array, int], Optional[Tuple[int, mx.array]]]
+from .pool import ExpertPool, SlotPool
 
 
-class ExpertCache(Protocol):
-    name: str  # "staging", the eviction policy's name ("decay", "lru", ...) or "table"
-    predictor: Optional[Predictor]  # set by the runtime when prefetch is on
+class Book(Protocol):
+    """A partly cached layer's slot bookkeeping, asked by the host-synced path."""
 
-    def lookup(
-        self, layer: int, x: mx.array, indices: mx.array, stats: LayerStats
-    ) -> Tuple[mx.array, ExpertPool]:
-        """Slots for ``indices`` (the router's ``[..., k]``) and the pool they index."""
+    @property
+    def slot_of(self) -> np.ndarray:
+        """expert -> slot, -1 where absent."""
         ...
 
-    def waves(
-        self, layer: int, indices: mx.array, outside: bool = False
-    ) -> Optional[List[mx.array]]:
-        """None: ``lookup`` takes the whole call. Else each token's indices (``[1, k]``, in
-        order), to be looked up and computed one after the other. ``outside``: the expert
-        computation reads slots that name experts outside the pool (``pool.IN_PLACE_BIT``)
-        without a host sync, so ``lookup`` may return such slots for this call."""
+    def admit(self, experts: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """``(missing, victims)``: which of ``experts`` must be read, into which slots (freed)."""
+        ...
+
+    def assigned(self, missing: np.ndarray, victims: np.ndarray) -> None:
+        """``missing`` landed in ``victims``."""
+        ...
+
+    def release(self, missing: np.ndarray) -> None:
+        """A read or write of ``missing`` failed after they were admitted (victims freed)."""
+        ...
+
+    def observe(self, rows: np.ndarray) -> None:
+        """Learn from ``rows`` (``[n, top_k]``, calls not served here); no slot changes."""
+        ...
+
+    def write(self, pool: SlotPool, slots: np.ndarray, blobs: np.ndarray, stats: LayerStats):
+        """Put ``blobs`` into ``slots`` of ``pool``."""
+        ...
+
+    def settle(self) -> None:
+        """Wait until nothing else can change the layer's slots (before they are copied)."""
+        ...
+
+
+# what a layer call computes once its slots are known: (x, slots, pool) -> out
+Compute = Callable[[mx.array, mx.array, ExpertPool], mx.array]
+
+# a speculative pass served by the table: WHOLE_PASS (one call), or each token's indices
+PassPlan = Union[str, List[mx.array], None]
+WHOLE_PASS = "whole"
+
+
+class SlotTable(Protocol):
+    """The device-side slot table (``cuda.table_cache``): decode calls of the layers it serves
+    look their slots up on the GPU, with no host sync; only the GPU waits, on misses."""
+
+    def serves(self, layer: int, indices: mx.array) -> bool:
+        """Whether the table answers this (one-token) call."""
+        ...
+
+    def lookup(
+        self, layer: int, indices: mx.array, stats: LayerStats, outside: bool = False
+    ) -> Tuple[mx.array, ExpertPool]:
+        """Lazy slots for ``indices`` and the pool they index. ``outside`` (a whole speculative
+        pass only): the slots may name experts outside the pool, and the pool says where."""
         ...
 
     def computed(self, out: mx.array) -> None:
-        """``out`` is the computation that reads the slots ``lookup`` just returned."""
+        """``out`` reads the slots just looked up: the next table call's lookup runs after it."""
         ...
 
-    def absent(self, layer: int, experts: np.ndarray) -> np.ndarray:
-        """Those of ``experts`` a lookup would have to read."""
+    def plan_pass(self, layer: int, indices: mx.array, outside: bool) -> PassPlan:
+        """How the table serves a pass verifying draft tokens: ``WHOLE_PASS``, a lookup per
+        token (their indices, in order), or None (not the table's: the host-synced path)."""
         ...
 
-    def check(self) -> None:
-        """Raise what went wrong out of band since the last call (device-side table)."""
+    def whole_layer_copies(self) -> Dict[int, Callable[[], Dict[str, mx.array]]]:
+        """Layers a prefill copies out of pinned files rather than reads: layer -> copier."""
         ...
 
-    def settle(self, stats: Stats) -> None:
-        """Wait for enqueued work and count what was read out of band in ``stats``."""
-        ...
+    def check(self) -> None: ...
+
+    def settle(self, stats: Stats) -> None: ...
 
     def close(self) -> None: ...

@@ -1,4 +1,15 @@
-"""Whole-layer reads of a prefill at a small budget (``HostSyncCache.whole_lookup``), read ahead.
+"""A prefill at a small budget: each partly cached layer read whole, without a host sync
+(``WholeLayerPrefill``), the next layer's read started while this one computes
+(``WholeLayerReads``).
+
+A call on a layer with fewer slots than experts that routes many rows per expert (a prefill)
+reads the whole layer into a pool of its own that nothing ever writes again, and its router
+indices are the slots. The model's graph then stays lazy, as stock mlx-lm's: outputs nobody asks
+for (the last layer's, in a prefill chunk) are never computed. Memory stays bounded: the next
+such call of the same forward pass starts the previous layer's computation, reads its own layer
+meanwhile, and waits for the layer before that, so at most two of these pools are alive and the
+device always has a layer queued; a call on an earlier layer (a new forward pass) forgets the
+previous one without forcing it.
 
 A prefill reads each layer's every expert, one layer after another, in an order known in
 advance. ``WholeLayerReads`` starts the next layer's read as soon as a layer's read is taken, on
@@ -10,13 +21,9 @@ Who writes what, and when:
   never writes a buffer while an earlier one (even one abandoned by an interrupt) still does.
   The caller waits for a read it takes (``_settle``).
 - A buffer is handed to a new read only after the device copies out of it were evaluated
-  (``whole_lookup`` evaluates the previous layer's copies before it takes or starts a read):
-  device staging (CUDA) alternates between two buffers, one being copied out of while the next
-  layer is read into the other.
-- With ``DeviceStaging.copies`` (the GPU's copy engines) the read thread itself copies each
-  piece of the layer it has read into arrays made for that layer, and waits for those copies
-  before its read ends, even a failed one: its one host buffer is free again when the next
-  read starts, and no computation reads the arrays before the read was taken.
+  (``WholeLayerPrefill.lookup`` evaluates the previous layer's copies before it takes or starts
+  a read): device staging (CUDA) alternates between two buffers, one being copied out of while
+  the next layer is read into the other.
 - Host-written pools (CPU, Metal) are filled by the read itself, into arrays the caller made for
   that layer; nothing writes them again.
 - The read thread is handed numpy views and addresses made by the caller; it never calls MLX.
@@ -29,8 +36,8 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -40,16 +47,15 @@ from ..format.layout import ExpertLayout
 from ..io.store import ExpertStore
 from ..stats import LayerStats
 from .pool import MX_DTYPES, STAGING_KEEP_BYTES, DeviceStaging, ExpertPool, host_view
-from .row_copies import HostBuffer, RowCopies
 
 log = logging.getLogger(__name__)
 
 # a layer is read ahead only while it takes at most this share of the memory available: its
 # bytes are held beside the two layers' pools a prefill already keeps
 READ_AHEAD_RAM_SHARE = 0.25
-# with copy engines a layer is read in pieces of about this size, each copied to the device while
-# the next is read: only the last piece's copies add to the read
-COPY_PIECE_BYTES = 32 << 20
+# a whole-layer call's latest rows the eviction policy learns from: the prompt's end is what the
+# decode continues, and a learning policy's update costs per row
+OBSERVE_ROWS = 128
 
 _STREAMS: Dict[Tuple[str, str], mx.Stream] = {}
 
@@ -78,35 +84,144 @@ class _Read:
     raw: Optional[Dict[str, mx.array]]  # host writes: the pool's arrays, filled by the read
     views: List[Tuple[np.ndarray, int, int]]  # host writes: (view of raw, offset, nbytes) each
     future: Optional[Future] = None  # the read, on the read thread
-    # copy engines: the pool's arrays (evaluated, on the device), filled by the read's copies,
-    # and (address, offset in a blob, nbytes) of each
-    dst: Optional[Dict[str, mx.array]] = None
-    targets: List[Tuple[int, int, int]] = field(default_factory=list)
-    own: Optional[HostBuffer] = None  # a host buffer of this read alone, let go when it ends
 
 
-class WholeLayerReads:
-    """Reads whole layers for ``HostSyncCache.whole_lookup``, the next one in the background.
+class _WholeCall(NamedTuple):
+    """A whole-layer call once its computation is built: what the next call waits on and the
+    eviction policy learns from."""
+
+    layer: int
+    pool: ExpertPool
+    indices: mx.array
+    out: mx.array
+
+
+class WholeLayerPrefill:
+    """The whole-layer path of a prefill (see the module's text).
 
     Args:
-        store: the expert store (read directly: a prefetcher's predictions are per token).
+        store: the expert store.
         staging: device-readable staging (CUDA's device writes); None: host writes.
-        read_ahead: start the next layer's read when a layer is taken (``ahead``).
+        slot_count: a layer's slots (fewer than its experts: the layer may be read whole).
+        learn: ``learn(layer, rows)``: the layer's eviction policy learns from ``rows``
+            (``[n, top_k]``, the latest rows of a whole-layer call, in token order).
+        threshold: rows per expert from which a call reads its layer whole (0: never).
     """
 
     def __init__(
-        self, store: ExpertStore, staging: Optional[DeviceStaging], read_ahead: bool = True
+        self,
+        store: ExpertStore,
+        staging: Optional[DeviceStaging],
+        slot_count: Callable[[int], int],
+        learn: Callable[[int, np.ndarray], None],
+        threshold: float,
     ):
+        self.store, self.slot_count, self.learn = store, slot_count, learn
+        self.threshold = threshold
+        self.reads = WholeLayerReads(store, staging)
+        # Who writes what: only this object, on the model's thread. ``_pending``: the last
+        # whole-layer call once computed lazily, not forced yet; ``_older``: the one before,
+        # queued, not yet waited for.
+        self._pending: Optional[_WholeCall] = None
+        self._older: Optional[_WholeCall] = None
+        self._partial: Optional[List[int]] = None  # layers with fewer slots than experts
+
+    def begin(self, layer: int) -> None:
+        """Every call of the model starts here: a call on the layer of the held whole-layer
+        output or an earlier one starts a new forward pass, whose predecessor's unused output
+        stays lazy and is let go (with its pool)."""
+        if self._pending is not None and self._pending.layer >= layer:
+            older, self._pending, self._older = self._older, None, None
+            if older is not None:  # computed by the pass that ended (its output fed the next)
+                self._learn(older)
+
+    def takes(self, layer: int, indices: mx.array) -> bool:
+        """Whether this call reads its whole layer without a host sync: the layer has fewer
+        slots than experts, and the call routes ``threshold`` rows per expert or more (the
+        shape needs no sync)."""
+        if self.threshold <= 0:
+            return False
+        n = self.store.layout(layer).num_experts
+        return self.slot_count(layer) < n and indices.size >= self.threshold * n
+
+    def lookup(self, layer: int, indices: mx.array, stats: LayerStats) -> ExpertPool:
+        """Every expert of the layer in a pool of its own (slot == expert id): the router's
+        indices go to the computation unchanged, with no host sync."""
+        prev, self._pending = self._pending, None
+        if prev is not None:
+            mx.async_eval(prev.out)  # the previous layer computes while this one is read
+        t0 = time.perf_counter()
+        # Wait for the output of the layer before the previous one (its pool is freed then: with
+        # the previous layer's and this one's, at most two such pools alive) and for the previous
+        # layer's copies out of staging (CUDA), whose buffer the next read reuses. The previous
+        # layer's computation stays queued, so the device works on while Python builds the next
+        # layer.
+        older, self._older = self._older, prev
+        mx.eval(
+            ([] if older is None else [older.out])
+            + ([] if prev is None else list(prev.pool.arrays.values()))
+        )
+        stats.sync_s += time.perf_counter() - t0  # waiting for the device
+        if older is not None:
+            self._learn(older)
+        pool = self.reads.take(layer, stats)
+        mx.async_eval(list(pool.arrays.values()))  # copies beside the previous layer's computation
+        nxt = self._next(layer)
+        if nxt is not None:
+            self.reads.ahead(nxt)
+        n = self.store.layout(layer).num_experts
+        stats.calls += 1
+        stats.unsynced_calls += 1
+        stats.tokens += indices.size // indices.shape[-1]  # the shape needs no sync
+        # which were routed is not known without a sync: each expert read counts as routed+missed
+        stats.experts_routed += n
+        stats.experts_missed += n
+        return pool
+
+    def computed(self, layer: int, pool: ExpertPool, indices: mx.array, out: mx.array) -> None:
+        """``out`` reads ``pool`` (from ``lookup``): held lazily until the next call needs it
+        (its pool is its own: nothing to order, nothing to force)."""
+        self._pending = _WholeCall(layer, pool, indices, out)
+
+    def _next(self, layer: int) -> Optional[int]:
+        """The layer after ``layer`` that a prefill's forward pass reads whole next."""
+        if self._partial is None:
+            self._partial = [
+                i
+                for i in sorted(self.store.layers)
+                if self.slot_count(i) < self.store.layout(i).num_experts
+            ]
+        return next((i for i in self._partial if i > layer), None)
+
+    def _learn(self, call: _WholeCall) -> None:
+        """Once a whole-layer call has computed (its indices are in memory by then: no wait),
+        the layer's eviction policy learns from its latest rows."""
+        if self.slot_count(call.layer) <= 0:
+            return
+        rows = np.array(call.indices).reshape(-1, call.indices.shape[-1]).astype(np.int64)
+        self.learn(call.layer, rows[-OBSERVE_ROWS:])
+
+    def close(self) -> None:
+        self._pending = self._older = None
+        self.reads.close()
+
+
+class WholeLayerReads:
+    """Reads whole layers for ``WholeLayerPrefill``, the next one in the background.
+
+    Args:
+        store: the expert store.
+        staging: device-readable staging (CUDA's device writes); None: host writes.
+    """
+
+    def __init__(self, store: ExpertStore, staging: Optional[DeviceStaging]):
         self.store, self.staging = store, staging
-        self.read_ahead = read_ahead
         self._thread: Optional[ThreadPoolExecutor] = None  # the read thread
         self._ahead: Optional[_Read] = None
         self._bufs: List[Optional[mx.array]] = [None, None]  # device staging, alternating
         self._views: List[Optional[np.ndarray]] = [None, None]  # their host views
         self._turn = 0
         self._host_buf: Optional[np.ndarray] = None  # host writes: the read's own buffer
-        self.copies: Optional[RowCopies] = None if staging is None else staging.copies
-        self._copy_buf: Optional[HostBuffer] = None  # copy engines: the reads' host buffer
         # layer -> its every expert's components as device arrays, copied lazily out of the
         # pinned expert files (set by the cache that pinned them, before the first prefill)
         self.pinned: Dict[int, Callable[[], Dict[str, mx.array]]] = {}
@@ -138,39 +253,10 @@ class WholeLayerReads:
             self._host_buf = np.empty(nbytes, np.uint8)
         return self._host_buf[:nbytes].reshape(n, blob_size)
 
-    def _copy_buffer(self, n: int, blob_size: int) -> Tuple[np.ndarray, Optional[HostBuffer]]:
-        """Copy engines: the host buffer a read fills, and the buffer to let go after it (a
-        large one is not kept)."""
-        assert self.copies is not None
-        nbytes = n * blob_size
-        if nbytes > STAGING_KEEP_BYTES:
-            own = self.copies.buffer(nbytes)
-            return own.array[:nbytes].reshape(n, blob_size), own
-        if self._copy_buf is None or self._copy_buf.array.size < nbytes:
-            if self._copy_buf is not None:
-                self._copy_buf.close()
-                self._copy_buf = None
-            self._copy_buf = self.copies.buffer(nbytes)
-        return self._copy_buf.array[:nbytes].reshape(n, blob_size), None
-
     def _prepare(self, layer: int) -> _Read:
         """Where ``layer``'s bytes will go (on the caller's thread: it may call MLX)."""
         layout = self.store.layout(layer)
         n, size = layout.num_experts, layout.blob_size
-        if self.copies is not None:
-            blobs, own = self._copy_buffer(n, size)
-            try:
-                with mx.stream(_stream("copy")):  # not queued behind the computation
-                    dst = {c.name: mx.zeros((n, c.nbytes), mx.uint8) for c in layout.components}
-                    mx.eval(list(dst.values()))
-            except BaseException:
-                if own is not None:
-                    own.close()
-                raise
-            targets = [
-                (host_view(dst[c.name]).ctypes.data, c.offset, c.nbytes) for c in layout.components
-            ]
-            return _Read(layer, layout, blobs, None, None, [], dst=dst, targets=targets, own=own)
         if self.staging is not None:
             staged, blobs = self._staging_buffer(n, size)
             return _Read(layer, layout, blobs, staged, None, [])
@@ -187,7 +273,7 @@ class WholeLayerReads:
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="moeflux-layer-read")
         self._ahead = read  # tracked before it is queued: an interrupt cannot lose it
-        read.future = self._thread.submit(_fill, self.store, read, self.copies)
+        read.future = self._thread.submit(_fill, self.store, read)
 
     def _settle(self) -> Optional[_Read]:
         """The read ahead, once ended (None: none, or it failed: the caller reads again, so a
@@ -206,21 +292,13 @@ class WholeLayerReads:
                     self._ahead = None
                 raise
         elif ahead is not None:  # never queued
-            _release(ahead)
             ahead = None
         self._ahead = None
         return ahead
 
     def _start_prepared(self, layer: int) -> None:
-        """``_prepare`` and ``_start`` ``layer``'s read; a buffer of its own is let go if the
-        read could not be queued (tracked reads are let go by ``_fill`` or ``_settle``)."""
-        read = self._prepare(layer)
-        try:
-            self._start(read)
-        except BaseException:
-            if self._ahead is not read:
-                _release(read)
-            raise
+        """``_prepare`` and ``_start`` ``layer``'s read."""
+        self._start(self._prepare(layer))
 
     def take(self, layer: int, stats: LayerStats) -> ExpertPool:
         """``layer``'s every expert as a pool of its own (slot == expert id): the read ahead if
@@ -245,7 +323,7 @@ class WholeLayerReads:
             read = self._settle()
             if read is None:  # it failed: again, on this thread, to raise the error from here
                 read = self._prepare(layer)
-                _fill(self.store, read, self.copies)
+                _fill(self.store, read)
         t1 = time.perf_counter()
         stats.io_s += t1 - t0  # the wait: what the read ahead did not hide
         stats.experts_read += read.layout.num_experts
@@ -255,9 +333,9 @@ class WholeLayerReads:
         return pool
 
     def ahead(self, layer: int) -> None:
-        """Start reading ``layer`` in the background (nothing if reading ahead is off, or the
-        layer would take more than ``READ_AHEAD_RAM_SHARE`` of the memory available)."""
-        if not self.read_ahead or layer in self.pinned:  # a pinned layer is copied when taken
+        """Start reading ``layer`` in the background (nothing if the layer would take more than
+        ``READ_AHEAD_RAM_SHARE`` of the memory available)."""
+        if layer in self.pinned:  # a pinned layer is copied when taken
             return
         self._settle()
         layout = self.store.layout(layer)
@@ -272,9 +350,6 @@ class WholeLayerReads:
     @staticmethod
     def _pool(read: _Read, staging: Optional[DeviceStaging]) -> ExpertPool:
         layout = read.layout
-        if read.dst is not None:  # copied by the read (copy engines)
-            with mx.stream(_stream("copy")):
-                return _typed_pool(read.dst, layout)
         if read.staged is None:
             assert read.raw is not None
             return _typed_pool(read.raw, layout)
@@ -298,9 +373,6 @@ class WholeLayerReads:
             self._thread = None
         self._bufs, self._views = [None, None], [None, None]
         self._host_buf = None
-        if self._copy_buf is not None:
-            self._copy_buf.close()
-            self._copy_buf = None
 
 
 def _typed_pool(raw: Dict[str, mx.array], layout: ExpertLayout) -> ExpertPool:
@@ -312,43 +384,9 @@ def _typed_pool(raw: Dict[str, mx.array], layout: ExpertLayout) -> ExpertPool:
     return ExpertPool(arrays, layout.quantization, layout.overrides)
 
 
-def _fill(store: ExpertStore, read: _Read, copies: Optional[RowCopies]) -> None:
+def _fill(store: ExpertStore, read: _Read) -> None:
     """Read ``read.layer``'s blobs into ``read.blobs``; then, for host writes, scatter them into
-    the pool's arrays through ``read.views``, or, with copy engines, copy each piece to the
-    device as soon as it is read. No MLX here: it runs on the read thread."""
-    layer, blobs = read.layer, read.blobs
-    n = len(blobs)
-    if copies is None or read.dst is None:
-        store.read(layer, np.arange(n), blobs)
-        for view, offset, nbytes in read.views:
-            view[:] = blobs[:, offset : offset + nbytes]
-        return
-    pitch = blobs.shape[1]
-    step = max(1, COPY_PIECE_BYTES // pitch)
-    failed = False
-    try:
-        for lo in range(0, n, step):
-            hi = min(n, lo + step)
-            store.read(layer, np.arange(lo, hi), blobs[lo:hi])
-            src = blobs.ctypes.data + lo * pitch
-            for dst, offset, nbytes in read.targets:
-                copies.copy_rows(dst + lo * nbytes, nbytes, src + offset, pitch, nbytes, hi - lo)
-    except BaseException:
-        failed = True
-        raise
-    finally:
-        try:
-            copies.wait()  # even after a failure: nothing may still write the buffer or arrays
-        except Exception as err:
-            if not failed:
-                raise
-            log.warning("layer %d: waiting for its copies failed as well (%s)", layer, err)
-        finally:
-            _release(read)
-
-
-def _release(read: _Read) -> None:
-    """Let go of a read's own host buffer (once its copies have landed, or none was queued)."""
-    if read.own is not None:
-        read.own.close()
-        read.own = None
+    the pool's arrays through ``read.views``. No MLX here: it runs on the read thread."""
+    store.read(read.layer, np.arange(len(read.blobs)), read.blobs)
+    for view, offset, nbytes in read.views:
+        view[:] = read.blobs[:, offset : offset + nbytes]

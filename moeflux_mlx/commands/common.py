@@ -32,7 +32,6 @@ from ..model.sharded import sharded_load
 from ..options import (
     BACKENDS,
     BINARY_UNITS,
-    DEFAULT_THREADS,
     EVICTIONS,
     IO_MODES,
     SI_UNITS,
@@ -153,19 +152,8 @@ LOAD_OPTIONS = (
             type=str.lower,
             choices=EVICTIONS,
             help="which resident expert a miss replaces: transition (decayed use counts raised "
-            "by what tends to follow the current call), logistic (that plus an online model of "
-            "the next two calls), decay (decayed use counts), lru (least "
-            "recently used), lfu, lfuda (LFU with aging) or s3fifo (default: $MOEFLUX_EVICTION "
-            "or transition)",
-        ),
-    ),
-    (
-        "--threads",
-        dict(
-            type=positive_int,
-            metavar="N",
-            help=f"parallel expert reads in pread mode (default: $MOEFLUX_THREADS or "
-            f"{DEFAULT_THREADS}: the cores, 8 to 16)",
+            "by what tends to follow the current call) or lru (least recently used, the "
+            "baseline) (default: $MOEFLUX_EVICTION or transition)",
         ),
     ),
     (
@@ -174,25 +162,9 @@ LOAD_OPTIONS = (
             type=_budget,
             metavar="SIZE",
             help="MLX memory for resident experts: a size with a unit (8GB = 8 x 1000^3 bytes, "
-            "8GiB = 8 x 1024^3; also B, kB, MB, TB, KiB, MiB, TiB), a fraction of RAM in (0, 1] "
-            "(0.25), all, or 0 (default: all experts if they fit in 0.4 x RAM, else 0.4 x RAM)",
-        ),
-    ),
-    (
-        "--prefetch",
-        dict(
-            action="store_const",
-            const=True,
-            help="read the experts the next layer's router predicts in the background",
-        ),
-    ),
-    (
-        "--device-table",
-        dict(
-            action=argparse.BooleanOptionalAction,
-            help="CUDA: decode looks "
-            "expert slots up on the GPU, with no host sync per layer (default: "
-            "on where CUDA is; also MOEFLUX_DEVICE_TABLE=0|1)",
+            "8GiB = 8 x 1024^3; also B, kB, MB, TB, KiB, MiB, TiB), a share naming its base "
+            "('25%% experts' of the experts' bytes, '40%% RAM'), all, or 0 (default: all "
+            "experts if they fit in 40%% of RAM, else 40%% of RAM)",
         ),
     ),
     (

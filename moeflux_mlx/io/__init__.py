@@ -1,3 +1,2 @@
 """Reading experts from disk into host memory: the store (``store``: pread thread pool or mmap,
-chosen by the RAM gate, or pread bypassing the page cache: ``uncached``) and background reads of
-predicted experts (``prefetch``)."""
+chosen by the RAM gate, or pread bypassing the page cache: ``uncached``)."""

@@ -1,3 +1,3 @@
-"""The mlx-lm side: the drop-in for ``SwitchGLU`` / ``SwitchMLP`` (``switch``), the next layer's
-predicted experts (``predict``), the runtime shared by a model's streaming modules and the cache
-factory (``runtime``), and ``load`` / ``patch_model`` (``load``)."""
+"""The mlx-lm side: the drop-in for ``SwitchGLU`` / ``SwitchMLP`` (``switch``), the runtime
+shared by a model's streaming modules and the cache factory (``runtime``), and ``load`` /
+``patch_model`` (``load``)."""

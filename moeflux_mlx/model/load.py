@@ -27,7 +27,6 @@ from ..format.layout import ExpertLayout
 from ..io.store import open_store
 from ..options import Budget, LoadOptions
 from .experts import find_experts, model_classes, no_experts_error
-from .predict import NextLayerPredictor, next_gates
 from .runtime import StreamingRuntime
 from .switch import StreamingSwitchGLU
 
@@ -87,14 +86,6 @@ def _replace_switch_modules(
         )
 
 
-def _attach_predictor(model: nn.Module, runtime: StreamingRuntime) -> None:
-    """Prefetch's next-layer routers, found once the model's weights are in place (a router
-    quantized at load is a new module)."""
-    if runtime.options.prefetch:
-        gates = next_gates(model, runtime.layout.module_paths, runtime.layout)
-        runtime.cache.predictor = NextLayerPredictor(gates)
-
-
 def _expert_keys_dropper(sanitize, module_paths, where: object):
     """``sanitize`` followed by dropping the streamed experts' tensors. mlx-lm's sanitize must
     hand each of them on unchanged (the very array it was given, under the same name): the bytes
@@ -125,8 +116,8 @@ def _make_runtime(source, options: LoadOptions) -> StreamingRuntime:
     store, layout = open_store(
         Path(source).expanduser(),
         options.expert_io,
-        options.threads,
-        warm_threads=options.warm_read_threads,
+        options.tuning.threads,
+        warm_threads=options.tuning.warm_read_threads,
     )
     try:
         return StreamingRuntime(store, layout, options)
@@ -151,9 +142,6 @@ def patch_model(
     expert_io: Optional[str] = None,
     backend: Optional[str] = None,
     cache_budget: Budget = None,
-    prefetch: Optional[bool] = None,
-    threads: Optional[int] = None,
-    device_table: Optional[bool] = None,
     eviction: Optional[str] = None,
     pin_experts: Optional[bool] = None,
     options: Optional[LoadOptions] = None,
@@ -164,8 +152,7 @@ def patch_model(
         model: an mlx-lm model built by the user, e.g. ``mlx_lm.load(path, lazy=True)[0]`` (the
             experts' weights are then never read).
         source: a converted directory or the plain mlx-lm checkpoint the experts are read from.
-        expert_io, backend, cache_budget, prefetch, threads, device_table, eviction,
-            pin_experts: see ``LoadOptions``
+        expert_io, backend, cache_budget, eviction, pin_experts: see ``LoadOptions``
             (None: from ``options``, else the ``MOEFLUX_*`` variables, else the default).
         options: all of them at once.
 
@@ -184,9 +171,6 @@ def patch_model(
             expert_io=expert_io,
             backend=backend,
             cache_budget=cache_budget,
-            prefetch=prefetch,
-            threads=threads,
-            device_table=device_table,
             eviction=eviction,
             pin_experts=pin_experts,
         ),
@@ -194,7 +178,6 @@ def patch_model(
     runtime = _make_runtime(source, opts)
     try:
         _replace_switch_modules(model, runtime, where=source)
-        _attach_predictor(model, runtime)
     except Exception:
         runtime.close()
         raise
@@ -208,9 +191,6 @@ def load(
     expert_io: Optional[str] = None,
     backend: Optional[str] = None,
     cache_budget: Budget = None,
-    prefetch: Optional[bool] = None,
-    threads: Optional[int] = None,
-    device_table: Optional[bool] = None,
     eviction: Optional[str] = None,
     pin_experts: Optional[bool] = None,
     model_config: Optional[dict] = None,
@@ -224,14 +204,11 @@ def load(
         path: the model directory (``~`` is expanded).
         expert_io: ``auto`` (the RAM gate), ``mmap``, ``pread`` or ``direct`` (uncached).
         backend: ``auto``, ``ops``, ``metal`` or ``cuda``.
-        cache_budget: MLX memory for resident experts: bytes, ``"8GB"``, a fraction of RAM,
-            ``"all"``, or 0 for none (default: all experts if they fit in 0.4 x RAM).
-        prefetch: read the experts the next layer's router predicts in the background.
-        threads: parallel reads of the ``pread`` store.
-        device_table: CUDA: decode looks slots up on the GPU, and only the GPU waits, only on
-            misses, for a helper process that reads them (default: on where CUDA is).
-        eviction: which resident expert a miss replaces: ``transition`` (default),
-            ``decay``, ``lru``, ``lfu``, ``lfuda`` or ``s3fifo`` (``cache.policy``).
+        cache_budget: MLX memory for resident experts: a size (``"8GB"``, an int of bytes), a
+            share naming its base (``"25% experts"``, ``"40% RAM"``), ``"all"``, or 0 for none
+            (default: all experts if they fit in 40% of RAM, else 40% of RAM).
+        eviction: which resident expert a miss replaces: ``transition`` (default) or ``lru``
+            (``cache.policy``).
         pin_experts: CUDA: the GPU copies missed experts out of the expert files, page-locked
             in RAM, instead of a helper process reading them (default: off).
         model_config, tokenizer_config: as for ``mlx_lm.load``.
@@ -257,9 +234,6 @@ def load(
             expert_io=expert_io,
             backend=backend,
             cache_budget=cache_budget,
-            prefetch=prefetch,
-            threads=threads,
-            device_table=device_table,
             eviction=eviction,
             pin_experts=pin_experts,
         ),
@@ -283,7 +257,6 @@ def load(
         model, config = load_model(
             path, lazy=lazy, model_config=model_config, get_model_classes=get_classes
         )
-        _attach_predictor(model, runtime)
         # the random initial weights of the replaced experts were never evaluated; evaluate the
         # global key so it does not keep their lazy graph (about 75 KB per load) alive
         mx.eval(mx.random.state)

@@ -11,12 +11,11 @@ from typing import Dict, Iterator, Optional
 import mlx.core as mx
 
 from ..cache import wired
-from ..cache.budget import BudgetCache, slots_per_layer
+from ..cache.expert_cache import ExpertCache
 from ..cache.policy import POLICIES
 from ..cache.pool import DeviceStaging
-from ..cache.protocol import ExpertCache
-from ..cache.row_copies import HostRowCopies, RowCopies
-from ..cache.staging import StagingCache
+from ..cache.slots import SlotCache
+from ..cache.whole_layer import WholeLayerPrefill
 from ..compute.backend import (
     Backend,
     backend_report,
@@ -27,59 +26,43 @@ from ..compute.backend import (
 from ..compute.kernels import MAX_TOKENS, ExpertSpec, KernelBackend
 from ..cuda import layer_copy
 from ..cuda import runtime as cuda_runtime
-from ..cuda.copy_engine import copy_engine
-from ..cuda.table_cache import TableCache, table_layers
+from ..cuda.table_cache import DeviceTable, table_layers
 from ..errors import ModelClosedError
 from ..format.layout import ModelLayout
-from ..io.prefetch import Prefetcher
 from ..io.store import ExpertStore
-from ..options import LoadOptions, parse_budget
+from ..options import LoadOptions, Tuning, parse_budget
 from ..stats import Stats
 
 log = logging.getLogger(__name__)
 
 
-def use_table(requested: Optional[bool]) -> bool:
-    """Whether decode should use the device-side table: ``requested`` (``LoadOptions
-    .device_table``), else wherever it can run (MLX's CUDA backend and libcudart)."""
+def use_table(tuning: Tuning) -> bool:
+    """Whether decode uses the device-side table: wherever it can run (MLX's CUDA backend and
+    libcudart), unless ``tuning.device_table`` says otherwise."""
     available = cuda_runtime.table_available()
-    if requested and not available:
+    if tuning.device_table and not available:
         log.warning(
             "device-side slot table requested, but it needs MLX's CUDA backend and "
             "libcudart: using a host sync per layer"
         )
-    return available if requested is None else bool(requested) and available
+    return available if tuning.device_table is None else bool(tuning.device_table) and available
 
 
-def _row_copies(options: LoadOptions) -> Optional[RowCopies]:
-    """How a prefill's whole layers reach the device beside MLX (``options.prefill_dma``): the
-    GPU's copy engines, or, where MLX's memory is the host's (device slot writes asked for on
-    the CPU), host copies; None: a copy kernel out of mapped staging."""
-    if not options.prefill_dma:
-        return None
-    if mx.default_device() == mx.cpu:
-        return HostRowCopies()
-    return copy_engine()
-
-
-def make_cache(
-    store: ExpertStore, layout: ModelLayout, options: LoadOptions, stats: Stats
-) -> ExpertCache:
-    """The cache for ``options``: none resident (budget 0, or too small for one expert per
-    layer), slots under the budget with a host sync per call, or, on CUDA, the device-side table
-    for partially cached layers.
+def make_cache(store: ExpertStore, layout: ModelLayout, options: LoadOptions) -> ExpertCache:
+    """The cache for ``options``: slots under the budget (none at budget 0, or one too small
+    for one expert per layer), the whole-layer prefill path, and, on CUDA, the device-side table
+    for partly cached layers.
 
     Args:
         store: the model's expert store.
         layout: its expert layout.
-        options: the load options (budget, prefetch, device table, slot writes ...).
-        stats: the counters prefetches are counted in.
+        options: the load options (budget, eviction, pinning, tuning).
 
     Returns:
-        A ``StagingCache``, ``BudgetCache`` or ``TableCache``.
+        The model's ``ExpertCache``.
 
     Raises:
-        ValueError: the budget is not one.
+        OptionError: the budget is not one.
         DeviceWaitError: the device-side table's miss server did not start.
         DeviceSetupError: ``pin_experts`` could not page-lock the expert files.
     """
@@ -91,60 +74,31 @@ def make_cache(
     if note:
         log.warning("expert cache budget %s", note)
     staging = (
-        DeviceStaging(cuda_runtime.host_array, _row_copies(options), layer_copy.copier())
-        if cuda_runtime.device_slot_writes(options.slot_writes)
+        DeviceStaging(cuda_runtime.host_array, layer_copy.copier())
+        if cuda_runtime.device_slot_writes(options.tuning.slot_writes)
         else None
     )
-    n_slots = slots_per_layer(layout, budget_bytes)
-    capacity = sum(n * layout.layers[i].blob_size for i, n in n_slots.items())
-    table = use_table(options.device_table) and table_layers(
-        layout, n_slots, options.table_every_layer
+    slots = SlotCache(store, layout, budget_bytes, staging, POLICIES[options.eviction])
+    whole = WholeLayerPrefill(
+        store, staging, slots.slot_count, slots.observe, options.tuning.prefill_whole_layer
     )
-    if options.pin_experts and not table:
+    table: Optional[DeviceTable] = None
+    if use_table(options.tuning) and table_layers(layout, slots.n_slots):
+        table = DeviceTable(store, layout, slots, options)
+        whole.reads.pinned.update(table.whole_layer_copies())
+    elif options.pin_experts:
         log.warning(
             "pin_experts: no layer is looked up by the device-side table (CUDA, a partial "
             "budget), so nothing is pinned"
         )
-    prefetcher = Prefetcher(store, stats) if options.prefetch else None
-    cache: BudgetCache
-    try:
-        whole = options.prefill_whole_layer
-        if capacity == 0:
-            return StagingCache(
-                store,
-                staging,
-                prefetcher,
-                prefill_whole_layer=whole,
-                prefill_read_ahead=options.prefill_read_ahead,
-            )
-        if table:
-            cache = TableCache(store, layout, budget_bytes, options, staging, prefetcher)
-        else:
-            cache = BudgetCache(
-                store,
-                layout,
-                budget_bytes,
-                staging,
-                prefetcher,
-                policy=POLICIES[options.eviction],
-                prefill_whole_layer=whole,
-                prefill_read_ahead=options.prefill_read_ahead,
-                prefill_warm_slots=options.prefill_warm_slots,
-                prefill_learns=options.prefill_learns,
-            )
-    except BaseException:
-        if prefetcher is not None:
-            prefetcher.close()
-        if staging is not None and staging.copies is not None:
-            staging.copies.close()
-        raise
+    capacity = slots.capacity_bytes
     log.info(
         "expert cache: %.2f GB budget, %.2f GB in slots (%.0f%% of the experts)",
         budget_bytes / 1e9,
         capacity / 1e9,
         100 * capacity / max(layout.total_expert_bytes, 1),
     )
-    return cache
+    return ExpertCache(store, slots, whole, table, staging)
 
 
 class StreamingRuntime:
@@ -157,11 +111,9 @@ class StreamingRuntime:
         self.store, self.layout, self.options = store, layout, options
         self._stats = Stats()
         self.backend: Backend = select_backend(options.backend)
-        self.cache: ExpertCache = make_cache(store, layout, options, self._stats)
+        self.cache = make_cache(store, layout, options)
         # Metal: the slots and staging stay resident (wired) while the model is open
-        self.wiring = wired.Wiring(
-            int(getattr(self.cache, "capacity_bytes", 0)) + wired.staging_bytes_estimate(layout)
-        )
+        self.wiring = wired.Wiring(self.cache.capacity_bytes + wired.staging_bytes_estimate(layout))
         # where each forward pass checks what the miss server or the GPU ran into (once per pass:
         # decode is host-bound, and the per-layer check cost more than the lookup)
         self.first_layer = min(layout.layers) if layout.layers else None
@@ -172,9 +124,9 @@ class StreamingRuntime:
     @contextlib.contextmanager
     def verifying_drafts(self) -> Iterator[None]:
         """Forward passes built within it verify draft tokens (speculation), so the cache may
-        split them into a lookup per token (``ExpertCache.waves``: the device-side table, with
-        no host sync), computing each token's experts as plain decoding does. Elsewhere a
-        multi-token call is computed whole, as stock mlx-lm computes it."""
+        serve them as one table call or a lookup per token (``ExpertCache.verify_pass``: the
+        device-side table, with no host sync). Elsewhere a multi-token call is computed whole,
+        as stock mlx-lm computes it."""
         before, self.verifying = self.verifying, True
         try:
             yield
@@ -225,8 +177,7 @@ class StreamingRuntime:
             cache=self.cache.name,
             backend=served_summary(d["served"], backend_report(self.backend)),
             backend_requested=self.backend.name,
-            prefetch=self.options.prefetch,
-            device_table=self.cache.name == "table",
+            device_table=self.cache.table is not None,
         )
         return d
 

@@ -36,7 +36,7 @@ from ..format.layout import ExpertLayout, ExpertShard, ModelLayout
 from ..io.store import open_store
 from ..options import LoadOptions
 from .experts import ExpertModule, find_experts, model_classes
-from .load import _attach_predictor, _expert_keys_dropper, _options, _replace_switch_modules
+from .load import _expert_keys_dropper, _options, _replace_switch_modules
 from .runtime import StreamingRuntime
 
 log = logging.getLogger(__name__)
@@ -214,8 +214,7 @@ def sharded_load(
         model_config, tokenizer_config: as for ``load``.
         options: every load option at once (``LoadOptions``).
         **load_options: ``expert_io``, ``backend``, ``cache_budget`` (for this process's share),
-            ``prefetch``, ``threads``, ``device_table``, ``eviction``: as for ``load``; they
-            override ``options``.
+            ``eviction``, ``pin_experts``: as for ``load``; they override ``options``.
 
     Returns:
         ``(model, tokenizer)``; ``model.moeflux`` is the runtime of this share, and its
@@ -250,11 +249,13 @@ def sharded_load(
     cuts: Dict[int, Cuts] = {}
     if tensor_group is not None:
         cuts = _tensor_shard(model, full, tensor_group, str(path))
-        if any(cuts.values()) and opts.device_table is not False:
+        if any(cuts.values()) and opts.tuning.device_table is not False:
             # the device-side table's miss server reads whole experts, in a process of its own
-            if opts.device_table:
+            if opts.tuning.device_table:
                 log.warning("tensor parallelism: the device-side slot table is not used")
-            opts = dataclasses.replace(opts, device_table=False)
+            opts = dataclasses.replace(
+                opts, tuning=dataclasses.replace(opts.tuning, device_table=False)
+            )
     if pipeline_group is not None:
         try:
             model.model.pipeline(pipeline_group)
@@ -268,7 +269,11 @@ def sharded_load(
         if i is not None:
             shards[i] = full.layers[i].shard(cuts[i], f"{path}: layer {i}") if cuts.get(i) else None
     store, share = open_store(
-        path, opts.expert_io, opts.threads, shards, warm_threads=opts.warm_read_threads
+        path,
+        opts.expert_io,
+        opts.tuning.threads,
+        shards,
+        warm_threads=opts.tuning.warm_read_threads,
     )
     try:
         runtime = StreamingRuntime(store, share, opts)
@@ -278,7 +283,6 @@ def sharded_load(
     try:
         if experts:  # a stage of dense layers only streams nothing
             _replace_switch_modules(model, runtime, config, path)
-            _attach_predictor(model, runtime)
         mx.eval(model.parameters(), mx.random.state)
         # as mlx-lm: every process has loaded before the first collective of a forward pass;
         # on the group's own stream (mlx-lm's stream=mx.cpu fails under MLX 0.32's NCCL)

@@ -1,8 +1,8 @@
 """The drop-in replacement for mlx-lm's ``SwitchGLU`` / ``SwitchMLP``.
 
-The router stays in mlx-lm's model code; this module receives its expert indices, asks the cache
-for their slots (``cache.protocol``: one question per call) and runs the expert computation
-(``compute``) on them."""
+The router stays in mlx-lm's model code; this module receives its expert indices and hands them
+to the cache (``cache.expert_cache``: four paths, each visible there) with the expert
+computation (``compute``) to run on the slots it finds."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import time
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from ..cache.pool import ExpertPool
 
 
 class StreamingSwitchGLU(nn.Module):
@@ -29,26 +31,20 @@ class StreamingSwitchGLU(nn.Module):
         rt.check_open()
         if self.layer == rt.first_layer:  # what the miss server or the GPU ran into since
             rt.cache.check()  # the last forward pass
-        waves = None
-        if rt.verifying:
-            outside = rt.reads_outside(self.layer, x, indices, self.activation)
-            waves = rt.cache.waves(self.layer, indices, outside)
-        if waves is None:
-            return self._experts(x, indices)
-        rows = x.reshape(-1, x.shape[-1])
-        out = mx.concatenate([self._experts(rows[t : t + 1], w) for t, w in enumerate(waves)])
-        return out.reshape(*indices.shape, out.shape[-1])
-
-    def _experts(self, x: mx.array, indices: mx.array) -> mx.array:
-        rt = self._runtime
         stats = rt.stats.layer(self.layer)
-        slots, pool = rt.cache.lookup(self.layer, x, indices, stats)
+        if rt.verifying:  # a pass verifying draft tokens: the cache's one seam for it
+            outside = rt.reads_outside(self.layer, x, indices, self.activation)
+            return rt.cache.verify_pass(self.layer, x, indices, self._compute, stats, outside)
+        return rt.cache.call(self.layer, x, indices, self._compute, stats)
+
+    def _compute(self, x: mx.array, slots: mx.array, pool: ExpertPool) -> mx.array:
+        """The expert computation on the slots the cache answered with (lazy)."""
+        rt = self._runtime
         t0 = time.perf_counter()
         backend = rt.backend
         out = backend(x, slots, pool, self.activation)
         served = rt.stats.served_in(self.layer)  # what actually computed it (fallbacks included)
         name = getattr(backend, "last_served", None) or backend.name
         served[name] = served.get(name, 0) + 1
-        rt.cache.computed(out)
-        stats.compute_s += time.perf_counter() - t0
+        rt.stats.layer(self.layer).compute_s += time.perf_counter() - t0
         return out
