@@ -40,7 +40,7 @@ text and against the layout as it was first laid out.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -186,7 +186,9 @@ def layer_dtype(num_experts: int, n_slots: int) -> np.dtype:
         ("host_victims", np.dtype("<i4"), rows),  # ... and the slots they were given
         ("hint", np.dtype("<i4"), MAX_SELECTIONS),  # experts predicted for the next call
     ]
-    names, formats, offsets = [], [], []
+    names: List[str] = []
+    formats: List[object] = []
+    offsets: List[int] = []
     at = 0
     for name, dt, n in names_shapes:
         names.append(name)
@@ -214,8 +216,8 @@ def block_dtype(spec: Mapping[int, Tuple[int, int]]) -> np.dtype:
     int64 counters and the last error's message."""
     order = sorted(spec)
     nl = len(order)
-    names: list = ["globals"]
-    formats: list = [GLOBALS]
+    names: List[str] = ["globals"]
+    formats: List[object] = [GLOBALS]  # a dtype, or (dtype, shape)
     offsets = [0]
     at = GLOBAL_WORDS * WORD
     for name in VECTORS:
@@ -230,15 +232,12 @@ def block_dtype(spec: Mapping[int, Tuple[int, int]]) -> np.dtype:
         formats.append(dt)
         offsets.append(at)
         at += dt.itemsize
-    words_end = at
-    at = round_up(at, 8)
+    at = round_up(at, 8)  # the int64 counters (a no-op: the layers end on 64 bytes)
     names += ["stats", "message"]
     formats += [("<i8", (nl, STAT_WORDS)), ("u1", (MESSAGE_BYTES,))]
     offsets += [at, at + 8 * STAT_WORDS * nl]
     nbytes = at + 8 * STAT_WORDS * nl + MESSAGE_BYTES
-    dt = np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": nbytes})
-    assert words_end <= at
-    return dt
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": nbytes})
 
 
 @dataclass(frozen=True)
