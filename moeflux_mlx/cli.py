@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional
+from typing import Dict, Optional, Type, TypedDict
 
 from . import __version__
 from .commands import bench, chat, common, compare, convert, demo, doctor, generate, info, server
@@ -32,9 +32,16 @@ COMMANDS = {
     "bench": bench,
     "doctor": doctor,
 }
+
+
+class _ParserKwargs(TypedDict, total=False):
+    epilog: str
+    formatter_class: Type[argparse.HelpFormatter]
+
+
 # parser keywords a command needs beyond its description
-_PARSER_KWARGS = {
-    "server": dict(epilog=server.EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+_PARSER_KWARGS: Dict[str, _ParserKwargs] = {
+    "server": {"epilog": server.EPILOG, "formatter_class": argparse.RawDescriptionHelpFormatter}
 }
 
 

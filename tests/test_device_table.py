@@ -8,6 +8,7 @@ path sharing the table during prefill."""
 import contextlib
 import ctypes
 import os
+import re
 import threading
 import time
 
@@ -21,6 +22,7 @@ from mlx_lm.models.switch_layers import SwiGLU
 
 import moeflux_mlx
 from moeflux_mlx.cache.pool import IN_PLACE_BIT, InPlaceExperts, host_view
+from moeflux_mlx.compute.kernel_source import load_source
 from moeflux_mlx.cuda import control_block as cb
 from moeflux_mlx.cuda import pinned_files
 from moeflux_mlx.cuda import runtime as cuda_runtime
@@ -57,11 +59,11 @@ def reference_resolve(
     i = t.index
     inds = np.array(indices).reshape(-1).astype(np.int64)
     calls = int(control.ticks[i]) + 1
-    tick = calls + int(t.header[cb.H_HOST_TICKS])
+    tick = calls + int(t.header["host_ticks"])
     seq = 0
     if (t.slot_of[inds] < 0).any():
         t.request[: inds.size] = inds
-        t.header[cb.H_NREQ] = inds.size
+        t.header["nreq"] = inds.size
         seq = int(control.answers[i]) + 1
         control.requests[i] = seq
         _wait_answer(control, i, seq)
@@ -70,18 +72,18 @@ def reference_resolve(
     outside = (slots < 0) & bool(in_place)  # left out of the slots: read where it lies
     # an answer's slots stay until the call ends; a call that asked nothing may find a failed
     # read's slot freed since it looked (the kernel takes slot 0: that pass raises)
-    assert (slots[~outside] >= 0).all() or (not seq and control.globals[cb.G_ERRORS])
+    assert (slots[~outside] >= 0).all() or (not seq and control.globals["errors"])
     slots = np.maximum(slots, 0)
     t.last_used[slots[~outside]] = tick
     if in_place == tk.IN_FILES:  # by expert id
         slots[outside] = IN_PLACE_BIT | inds[outside]
     elif in_place == tk.IN_STAGING:  # by staging row: after the misses, by id
-        ncopy = int(t.header[cb.H_NCOPY]) if seq else 0
+        ncopy = int(t.header["ncopy"]) if seq else 0
         rank = np.searchsorted(np.unique(inds[outside]), inds[outside])
         slots[outside] = IN_PLACE_BIT | (ncopy + rank)
     control.ticks[i] = calls  # the end of resolve; fill, a kernel of its own, runs after
     if seq:
-        n, poison = int(t.header[cb.H_NCOPY]), bool(t.header[cb.H_ERR])
+        n, poison = int(t.header["ncopy"]), bool(t.header["err"])
         rows = staging.array.reshape(-1, layout.blob_size)
         for k in range(n):
             for ci, c in enumerate(layout.components):
@@ -100,8 +102,8 @@ def reference_hint(control, staging, layer, indices, predicted, wait_s):
     t = control.layers[layer]
     pred = np.array(predicted).reshape(-1)
     t.hint[: pred.size] = pred
-    t.header[cb.H_HINT_N] = pred.size
-    t.header[cb.H_HINT_TICK] = control.ticks[t.index]
+    t.header["hint_n"] = pred.size
+    t.header["hint_tick"] = control.ticks[t.index]
     control.hints[t.index] += 1
     return indices
 
@@ -194,7 +196,7 @@ def test_decode_through_the_table_is_exact(table_on_cpu, reference, fraction):
         if tk.resolve is not reference_resolve:  # the CUDA kernel counts its waits
             assert 0 < t.gpu_waits <= t.unsynced_calls and t.gpu_wait_s > 0
         assert _pool_holds_the_right_experts(rt)
-        assert rt.cache.control.fault() is None and not rt.cache.control.globals[cb.G_ERRORS]
+        assert rt.cache.control.fault() is None and not rt.cache.control.globals["errors"]
         rt.cache.check()
 
 
@@ -298,7 +300,7 @@ def test_the_server_names_experts_and_reads_nothing_for_pinned_layers(tiny_store
         c, layer, t, _ = _first_layer(server, layout, rows=4)
         assert layer == c0
         assert _gpu_call(c, layer, [3, 7, 9])
-        n = int(t.header[cb.H_NCOPY])
+        n = int(t.header["ncopy"])
         assert n == 3 and sorted(t.copy_src[:n].tolist()) == [3, 7, 9]
         for k in range(n):
             assert t.slot_of[t.copy_src[k]] == t.copy_dst[k]
@@ -341,7 +343,7 @@ def _speculate(model, tokenizer, rt):
     t = rt.stats.total()
     assert t.calls == t.unsynced_calls  # no host sync, passes included
     assert _pool_holds_the_right_experts(rt)
-    assert rt.cache.control.fault() is None and not rt.cache.control.globals[cb.G_ERRORS]
+    assert rt.cache.control.fault() is None and not rt.cache.control.globals["errors"]
     return t
 
 
@@ -582,7 +584,7 @@ def test_failed_read_raises_at_the_next_call_then_recovers(table_on_cpu, referen
         with _emptied(path):
             with pytest.raises(ExpertReadError, match=f"layer_{layer0:02d}.bin.*layer {layer0}"):
                 _greedy(model, prompt[:1], n=4)
-        assert not rt.cache.control.globals[cb.G_PENDING_RELEASE]
+        assert not rt.cache.control.globals["pending_release"]
         _pool_holds_the_right_experts(rt)  # the poisoned slots were freed
         rt.cache.check()  # the error was reported once
         assert _greedy(model, prompt) == want
@@ -681,6 +683,144 @@ def test_control_block_regions_do_not_overlap():
     c.close()
 
 
+def _first_layout(layers):
+    """The control block as it was first laid out, by offset arithmetic (in int32 words; the
+    stats and the message in bytes), restated here: the kernels were written against it, so a
+    change to control_block's dtypes must be a deliberate one."""
+    order, nl = sorted(layers), len(layers)
+    vectors = {name: 16 + k * nl for k, name in enumerate(cb.VECTORS)}
+    size = (16 + 8 * nl + 15) // 16 * 16
+    regions = {}
+    for layer in order:
+        e, s = layers[layer]
+        r = max(64, s)
+        b = size
+        tab = b + 12
+        last = tab + e
+        reqi = last + s
+        csrc = reqi + 64
+        cdst = csrc + 64
+        hreq = cdst + 64
+        hmiss = hreq + r + 1024
+        hvic = hmiss + r
+        hint = hvic + r
+        regions[layer] = {
+            "header": (b, 12),
+            "slot_of": (tab, e),
+            "last_used": (last, s),
+            "request": (reqi, 64),
+            "copy_src": (csrc, 64),
+            "copy_dst": (cdst, 64),
+            "host_request": (hreq, r + 1024),
+            "host_missing": (hmiss, r),
+            "host_victims": (hvic, r),
+            "hint": (hint, 64),
+        }
+        size += (12 + e + s + 4 * 64 + 3 * r + 1024 + 15) // 16 * 16
+    stats_at = (size * 4 + 7) // 8 * 8
+    message_at = stats_at + 8 * 6 * nl
+    return vectors, regions, stats_at, message_at, message_at + 4096
+
+
+def test_control_block_layout_is_the_one_the_kernels_were_written_for():
+    """Every region of the block where the first, offset-arithmetic layout put it, and the
+    named words (header, globals, meta) at the indices they had."""
+    assert cb.HEADER.names == (
+        "err", "nreq", "ncopy", "waits", "wait_us", "host_kind", "host_n", "host_nmiss",
+        "host_ticks", "hint_n", "hint_tick", "host_k",
+    )  # fmt: skip
+    assert [cb.HEADER.fields[n][1] for n in cb.HEADER.names] == [4 * k for k in range(12)]
+    assert cb.HEADER.itemsize == 4 * cb.HEADER_WORDS == 48
+    assert (cb.H_ERR, cb.H_NREQ, cb.H_NCOPY, cb.H_WAITS, cb.H_WAIT_US) == (0, 1, 2, 3, 4)
+    assert (cb.H_HOST_KIND, cb.H_HOST_N, cb.H_HOST_NMISS, cb.H_HOST_TICKS) == (5, 6, 7, 8)
+    assert (cb.H_HINT_N, cb.H_HINT_TICK, cb.H_HOST_K) == (9, 10, 11)
+    assert (cb.G_STOP, cb.G_READY, cb.G_ERRORS, cb.G_PENDING_RELEASE) == (0, 1, 2, 3)
+    assert cb.GLOBALS.itemsize == 4 * cb.GLOBAL_WORDS == 64
+    assert (cb.META_CTRL, cb.META_STAGING, cb.META_HINT, cb.META_SOURCES) == (11, 13, 15, 17)
+    for layers in ({1: (128, 40), 3: (64, 63), 4: (256, 8), 6: (512, 100)}, {0: (8, 8)}):
+        c = cb.ControlBlock(layers)
+        try:
+            base = c.buffer.array.ctypes.data
+            vectors, regions, stats_at, message_at, nbytes = _first_layout(layers)
+            assert c.dtype.itemsize == nbytes and c.buffer.nbytes == nbytes
+            assert c.globals.ctypes.data == base and c.globals.nbytes == 64
+            for name, at in vectors.items():
+                v = getattr(c, name)
+                assert v.dtype == np.int32 and v.size == len(layers)
+                assert v.ctypes.data - base == 4 * at, name
+            for layer, t in c.layers.items():
+                for name, (at, n) in regions[layer].items():
+                    v = getattr(t, name)
+                    assert v.ctypes.data - base == 4 * at and v.nbytes == 4 * n, (layer, name)
+                    assert v.dtype == cb.HEADER if name == "header" else v.dtype == np.int32
+                assert t.stats.ctypes.data - base == stats_at + 48 * t.index
+                w = t.words
+                assert (w.base, w.tab, w.last, w.reqi, w.csrc, w.cdst, w.hint) == tuple(
+                    regions[layer][k][0]
+                    for k in "header slot_of last_used request copy_src copy_dst hint".split()
+                )
+                i = t.index
+                assert (w.req_at, w.done_at, w.fault_at, w.tick_at, w.hseq) == (
+                    vectors["requests"] + i,
+                    vectors["answers"] + i,
+                    vectors["faults"] + i,
+                    vectors["ticks"] + i,
+                    vectors["hints"] + i,
+                )
+                assert w.n_experts == t.num_experts
+            assert c.message.ctypes.data - base == message_at and c.message.nbytes == 4096
+        finally:
+            c.close()
+
+
+def _meta_reads(text):
+    """``{name: word}`` of every ``name = meta[word]`` in a kernel's text (``MF_META_HINT``
+    resolved), and ``{name: MF_META_*}`` of every ``name = mf_ptr<...>(meta, MF_META_*)``."""
+    words = {
+        name: cb.META_HINT + int(plus or 0) if at == "MF_META_HINT" else int(at)
+        for name, at, plus in re.findall(r"(\w+) = meta\[(MF_META_HINT|\d+)(?: \+ (\d+))?\]", text)
+    }
+    pointers = dict(re.findall(r"(\w+) = mf_ptr<[^>]+>\(meta, MF_META_(\w+)\)", text))
+    return words, pointers
+
+
+def test_the_kernels_read_meta_and_the_header_where_control_block_puts_them():
+    """What resolve/fill/hint_cuda.cuh read by position is the ``META`` field of that name, and
+    each ``MF_H_*`` they use is compiled in as its ``HEADER`` field's word: a change on either
+    side fails here."""
+    header = tk._header(1.0)
+    defines = {k: int(v) for k, v in re.findall(r"#define MF_(\w+) (\d+)\n", header)}
+    seen = set()
+    for name in ("resolve_cuda.cuh", "fill_cuda.cuh", "hint_cuda.cuh"):
+        text = load_source(name)
+        words, pointers = _meta_reads(text)
+        assert words, name
+        for var, at in words.items():
+            dt, offset = cb.META.fields[var][:2]
+            assert offset == 4 * at and dt == np.dtype("<i4"), (name, var)
+            seen.add(var)
+        for var, which in pointers.items():
+            field = {"CTRL": "ctrl", "STAGING": "staging"}[which]
+            dt, offset = cb.META.fields[field][:2]
+            assert dt == np.dtype("<u8") and offset == 4 * defines[f"META_{which}"], (name, var)
+            seen.add(field)
+        for h in re.findall(r"MF_H_(\w+)", text):
+            assert defines[f"H_{h}"] == cb.HEADER.fields[h.lower()][1] // 4, (name, h)
+    assert defines["META_HINT"] == cb.META_HINT and defines["MAXN"] == cb.MAX_SELECTIONS
+    assert seen == set(cb.META.names)  # every named word of meta is read by some kernel
+    # with pinned files each component's address follows, lo then hi word (fill's sources)
+    c = cb.ControlBlock({2: (16, 4)})
+    try:
+        t = c.layers[2]
+        m = t.words.meta((7 << 32) | 5, (9 << 32) | 3, [(11 << 32) | 13]).tolist()
+        assert m[cb.META_CTRL : cb.META_CTRL + 2] == [5, 7]
+        assert m[cb.META_STAGING : cb.META_STAGING + 2] == [3, 9]
+        assert m[cb.META_SOURCES :] == [13, 11]
+        assert m[3] == t.words.tab and m[8] == 16 and m[cb.META_HINT + 1] == t.words.hint
+    finally:
+        c.close()
+
+
 @pytest.fixture
 def tiny_store(tiny_checkpoints):
     _, packed = tiny_checkpoints["qwen3_moe"]
@@ -730,10 +870,10 @@ def _gpu_call(control, layer, experts) -> bool:
     if asked:
         seq = int(control.answers[i]) + 1
         t.request[: len(experts)] = experts
-        t.header[cb.H_NREQ] = len(experts)
+        t.header["nreq"] = len(experts)
         control.requests[i] = seq
         _wait_answer(control, i, seq)
-        assert not t.header[cb.H_ERR]
+        assert not t.header["err"]
     control.ticks[i] += 1
     return asked
 
@@ -762,7 +902,7 @@ def test_hints_are_read_ahead_and_taken_by_the_next_request(tiny_store):
         _until(lambda: t.stats[cb.S_PF_ISSUED] == 3)
         assert _gpu_call(c, layer, [3, 7, 9])
         assert t.stats[cb.S_MISSED] == 3 and t.stats[cb.S_PF_HITS] == 1  # 3 only: 9 was replaced
-        n = int(t.header[cb.H_NCOPY])
+        n = int(t.header["ncopy"])
         assert n == 3
         expert_in = {int(t.slot_of[e]): e for e in (3, 7, 9)}
         for k in range(n):
@@ -825,7 +965,7 @@ def test_a_pass_token_s_request_admits_the_next_tokens_experts_that_fit(tiny_sto
         assert not call([0, 9])  # the second token: resident already
         assert call([7, 8])  # the third did not fit with them: its own request, read ahead
         assert t.stats[cb.S_PF_HITS] == 5 and t.stats[cb.S_READ] == 2 + 2 + 3 + 2
-        for k in range(int(t.header[cb.H_NCOPY])):  # the copy list holds the right bytes
+        for k in range(int(t.header["ncopy"])):  # the copy list holds the right bytes
             e = int(np.flatnonzero(t.slot_of == t.copy_dst[k])[0])
             assert (staging[t.copy_src[k]] == store.read(layer, np.array([e]))[0]).all()
     finally:
@@ -847,15 +987,15 @@ def test_a_failed_read_frees_the_later_tokens_experts_at_once(tiny_store, tiny_c
                 c, None, layer, mx.array(np.array([5, 6], np.uint32)), mx.array([5, 6, 0, 9]), 5.0
             )
             t.request[:2] = [5, 6]
-            t.header[cb.H_NREQ] = 2
+            t.header["nreq"] = 2
             seq = int(c.answers[t.index]) + 1
             c.requests[t.index] = seq
             _wait_answer(c, t.index, seq)
-        assert t.header[cb.H_ERR] and int(t.header[cb.H_NCOPY]) == 3  # 5, 6 and 9 poisoned
+        assert t.header["err"] and int(t.header["ncopy"]) == 3  # 5, 6 and 9 poisoned
         assert t.slot_of[9] < 0  # the next token's: freed at once
         assert t.slot_of[5] >= 0 and t.slot_of[6] >= 0  # this call's: it still reads them
         c.ticks[t.index] += 1  # the GPU is past the call
-        _until(lambda: c.globals[cb.G_PENDING_RELEASE] == 0)  # counted down once freed
+        _until(lambda: c.globals["pending_release"] == 0)  # counted down once freed
         assert t.slot_of[5] < 0 and t.slot_of[6] < 0
         assert t.slot_of[0] >= 0  # resident before, untouched
     finally:
@@ -868,11 +1008,11 @@ def _failed_gpu_request(control, layer, experts, path):
     with _emptied(path):
         control.expected[t.index] += 1
         t.request[: len(experts)] = experts
-        t.header[cb.H_NREQ] = len(experts)
+        t.header["nreq"] = len(experts)
         seq = int(control.answers[t.index]) + 1
         control.requests[t.index] = seq
         _wait_answer(control, t.index, seq)
-    assert t.header[cb.H_ERR] and control.globals[cb.G_PENDING_RELEASE] == 1
+    assert t.header["err"] and control.globals["pending_release"] == 1
 
 
 def test_a_synced_admit_after_a_failed_call_reads_its_experts_again(tiny_store, tiny_checkpoints):
@@ -888,7 +1028,7 @@ def test_a_synced_admit_after_a_failed_call_reads_its_experts_again(tiny_store, 
         c.ticks[t.index] += 1  # the call ends; the host syncs and admits the same experts
         missing, victims = server.host_request(layer, cb.HOST_ADMIT, np.array([5, 6]))
         assert sorted(missing.tolist()) == [5, 6] and (t.slot_of[[5, 6]] >= 0).all()
-        assert c.globals[cb.G_PENDING_RELEASE] == 0
+        assert c.globals["pending_release"] == 0
     finally:
         server.close()
 
@@ -907,7 +1047,7 @@ def test_check_raises_a_failed_read_once_its_slots_are_freed(tiny_store, tiny_ch
         ends.start()
         with pytest.raises(ExpertReadError, match=f"layer_{layer:02d}.bin"):
             server.check()
-        assert (t.slot_of[[5, 6]] < 0).all() and c.globals[cb.G_PENDING_RELEASE] == 0
+        assert (t.slot_of[[5, 6]] < 0).all() and c.globals["pending_release"] == 0
         ends.join()
     finally:
         server.close()
@@ -940,12 +1080,12 @@ def test_server_answers_while_this_process_holds_the_gil(tiny_store):
         t = c.layers[layer]
         server.staging_for(layout.layers[layer].blob_size, 4)
         t.request[:2] = [3, 5]
-        t.header[cb.H_NREQ] = 2
+        t.header["nreq"] = 2
         c.requests[t.index] = 1
         libc = ctypes.PyDLL(None)  # a PyDLL call keeps the GIL for its whole duration
         libc.usleep(500_000)
         assert c.answers[t.index] == 1, "not answered while the GIL was held"
-        assert (t.slot_of[[3, 5]] >= 0).all() and t.header[cb.H_NCOPY] == 2
+        assert (t.slot_of[[3, 5]] >= 0).all() and t.header["ncopy"] == 2
         rows = server.staging[layout.layers[layer].blob_size].array.reshape(
             -1, layout.layers[layer].blob_size
         )
@@ -985,7 +1125,7 @@ def test_request_after_a_long_quiet_spell_is_answered_promptly(tiny_store):
         # in the page cache: what is timed below is the poll, not a disk or a first use
         store.read(c.order[0], np.array([6]))
         t.request[:1] = [5]
-        t.header[cb.H_NREQ] = 1
+        t.header["nreq"] = 1
         c.requests[t.index] = 1
         _wait_answer(c, t.index, 1)
         c.ticks[t.index] += 1
@@ -994,7 +1134,7 @@ def test_request_after_a_long_quiet_spell_is_answered_promptly(tiny_store):
         # an interval growing without the cap would be ~0.2 s by now
         time.sleep(0.8 * ms.STALL_S)
         t.request[:1] = [6]
-        t.header[cb.H_NREQ] = 1
+        t.header["nreq"] = 1
         start = time.monotonic()
         c.requests[t.index] = 2
         _wait_answer(c, t.index, 2)
@@ -1019,7 +1159,7 @@ def test_host_requests_admit_and_release(tiny_store):
         assert victims.tolist() == [t.slot_of[4]] and t.slot_of[2] < 0  # LRU: 2 was oldest
         server.host_request(layer, cb.HOST_RELEASE, np.array([4, 11]))
         assert (t.slot_of[[4, 11]] < 0).all() and t.slot_of[9] >= 0
-        assert t.header[cb.H_HOST_TICKS] == 3  # admits advance the layer's LRU clock
+        assert t.header["host_ticks"] == 3  # admits advance the layer's LRU clock
     finally:
         server.close()
 
@@ -1181,6 +1321,6 @@ def test_a_whole_layer_prefill_teaches_the_miss_server_s_policy(
             t = control.layers[layer]
             rt.cache.server._answered(layer, int(control.host_requests[t.index]))
             want_ticks = 0 if layer == max(rt.layout.layers) else rows
-            assert int(t.header[cb.H_HOST_TICKS]) == want_ticks, layer
+            assert int(t.header["host_ticks"]) == want_ticks, layer
             assert (t.slot_of < 0).all()
         assert _greedy(model, prompt) == want

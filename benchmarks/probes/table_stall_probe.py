@@ -51,12 +51,12 @@ def note(what):
 
 MONITOR = r"""
 import json, sys, time
-from moeflux_mlx.cuda.control_block import ControlBlock, H_WAITS
+from moeflux_mlx.cuda.control_block import ControlBlock
 spec = json.loads(sys.argv[1])
 c = ControlBlock({int(k): v for k, v in spec.items()}, fd=int(sys.argv[2]))
 t0 = time.time()
 while True:
-    waits = [int(c.layers[l].header[H_WAITS]) for l in c.order]
+    waits = [int(c.layers[l].header["waits"]) for l in c.order]
     print(f"monitor {time.time() - t0:6.1f}s requests {c.requests.tolist()} answers "
           f"{c.answers.tolist()} ticks {c.ticks.tolist()} expected {c.expected.tolist()} "
           f"faults {c.faults.tolist()} waits {waits}", file=sys.stderr, flush=True)

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import importlib.resources
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, List, Protocol, Sequence, cast
+
+if TYPE_CHECKING:  # no MLX at run time: the text alone
+    import mlx.core as mx
 
 _PACKAGE = "moeflux_mlx.metal_kernels"
 _CHECKOUT_DIR = Path(__file__).resolve().parents[2] / "metal_kernels"
@@ -33,6 +37,21 @@ SOURCE_FILES = (
     *ENTRY.values(),
     *METAL_SHIMS,
 )
+
+
+class Kernel(Protocol):
+    """A compiled custom kernel, as ``mx.fast.metal_kernel``/``cuda_kernel`` make it: called
+    with its ``inputs`` and the launch's keywords, it returns its outputs."""
+
+    def __call__(self, *, inputs: Sequence[Any], **launch: Any) -> List[mx.array]: ...
+
+
+def as_kernel(made: object) -> Kernel:
+    """``made`` (what ``mx.fast.metal_kernel``/``cuda_kernel`` returned) as a ``Kernel``: MLX's
+    stubs declare those factories to return ``object``, though they return a callable."""
+    if not callable(made):
+        raise TypeError(f"not a kernel: {made!r}")
+    return cast(Kernel, made)
 
 
 def load_source(name: str) -> str:

@@ -25,7 +25,7 @@ import logging
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.models.switch_layers import SwiGLU
@@ -33,7 +33,7 @@ from mlx_lm.models.switch_layers import SwiGLU
 from ..cache.pool import MX_DTYPES, ExpertPool, InPlaceExperts
 from ..format.layout import ExpertLayout, Quantization
 from . import selfcheck
-from .kernel_source import COMMON, ENTRY, PRELUDE, load_source
+from .kernel_source import COMMON, ENTRY, PRELUDE, Kernel, as_kernel, load_source
 from .ops import is_plain_swiglu
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,8 @@ SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUPS = (32, 64, 128)
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 MAX_TOKENS = 8  # decode and speculative verification; prefill goes to gather_qmm
+# an expert array's (dtype, per-expert shape): an MLX dtype, or its name where MLX has none
+ComponentSpec = Tuple[Union[mx.Dtype, str], Tuple[int, ...]]
 # Threadgroup memory for the staged activation (fp32, IN_DIM floats + one sum per chunk).
 SHARED_LIMIT = {"metal": 32 * 1024, "cuda": 48 * 1024}
 
@@ -130,10 +132,12 @@ def kernel_name(kind: str, dialect: str, variant: str = "plain") -> str:
     return f"moeflux_{kind}_{variant}_{digest}" if kind == "combine" else f"moeflux_{kind}_{digest}"
 
 
-_KERNELS: Dict[tuple, object] = {}
+_KERNELS: Dict[tuple, Kernel] = {}
 
 
-def _kernel(kind: str, dialect: str, variant: str = "plain", broken: Optional[str] = None):
+def _kernel(
+    kind: str, dialect: str, variant: str = "plain", broken: Optional[str] = None
+) -> Kernel:
     key = (kind, dialect, variant, broken)
     k = _KERNELS.get(key)
     if k is None:
@@ -150,13 +154,15 @@ def _kernel(kind: str, dialect: str, variant: str = "plain", broken: Optional[st
         # pool), x and slots as the router hands them over (no node). combine wants row-contiguous.
         contiguous = kind == "combine"
         make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
-        k = make(
-            name=name,
-            input_names=list(inputs),
-            output_names=list(_OUTPUTS[kind]),
-            source=body,
-            header=header,
-            ensure_row_contiguous=contiguous,
+        k = as_kernel(
+            make(
+                name=name,
+                input_names=list(inputs),
+                output_names=list(_OUTPUTS[kind]),
+                source=body,
+                header=header,
+                ensure_row_contiguous=contiguous,
+            )
         )
         _KERNELS[key] = k
     return k
@@ -272,7 +278,7 @@ def _check_quant(bits: int, group_size: int) -> None:
 
 
 def _check_proj_spec(
-    shapes: Dict[str, Tuple[object, Tuple[int, ...]]],
+    shapes: Mapping[str, ComponentSpec],
     proj: str,
     out_dim: int,
     in_dim: int,
@@ -325,7 +331,7 @@ class Launch:
     strides, so no copy or reshape node enters the graph (decode is host-bound: every node
     costs host time per layer and token, see docs/kernels.md)."""
 
-    kernel: object
+    kernel: Kernel
     arrays: List[mx.array]
     kwargs: dict
     raises: bool = False  # test-only: a deliberately broken variant (``break_variants``)
@@ -591,7 +597,7 @@ class ExpertSpec:
     from a resident pool (the runtime) or from a layout read from headers (``moeflux-mlx info``),
     so both ask ``expert_route`` the same question."""
 
-    shapes: Dict[str, Tuple[object, Tuple[int, ...]]]  # "gate_proj.weight" -> (mx dtype, shape)
+    shapes: Mapping[str, ComponentSpec]  # "gate_proj.weight" -> (mx dtype, shape)
     quantization: Optional[Quantization]  # of gate/up (fc1)
     overrides: Dict[str, Optional[Quantization]] = field(default_factory=dict)
 

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 # ||kernel - ops|| / ||ops|| over the whole output, per activation dtype: two fp32-accumulating
 # implementations that both round gate, up and h to the activation dtype (docs/kernels.md).
+# the MLX whose kernels a verdict is for (its stubs omit ``__version__``, the module has it)
+MLX_VERSION: str = mx.__version__  # type: ignore[attr-defined]
 TOLERANCE = {"bfloat16": 2e-2, "float16": 3e-3, "float32": 1e-5}
 ERROR_CHARS = 4000  # of an error message kept on disk (MLX's compile logs can be long)
 WARN_CHARS = 600  # ... and shown in the warning
@@ -122,7 +124,7 @@ def machine_id() -> str:
 
 
 def cache_file(dialect: str, source_digest: str) -> Path:
-    return cache_root() / f"{dialect}-{machine_id()}-mlx{mx.__version__}-{source_digest}.json"
+    return cache_root() / f"{dialect}-{machine_id()}-mlx{MLX_VERSION}-{source_digest}.json"
 
 
 class SelfCheck:
@@ -142,14 +144,14 @@ class SelfCheck:
                 self._disk = json.loads(self.path.read_text()).get("variants", {})
             except (OSError, ValueError, AttributeError):
                 self._disk = {}
-        return self._disk  # type: ignore[return-value]
+        return self._disk
 
     def _store(self, label: str, verdict: Verdict) -> None:
         disk = self._load()
         disk[label] = {k: v for k, v in asdict(verdict).items() if k != "cached"}
         doc = {
             "dialect": self.dialect,
-            "mlx": mx.__version__,
+            "mlx": MLX_VERSION,
             "kernel_source": self.source_digest,
             "machine": {
                 "node": platform.node(),

@@ -21,16 +21,6 @@ from ..errors import DeviceWaitError, ExpertReadError
 from ..io.store import ExpertStore
 from ..stats import LayerStats
 from .control_block import (
-    G_ERRORS,
-    G_PENDING_RELEASE,
-    G_READY,
-    G_STOP,
-    H_HOST_K,
-    H_HOST_KIND,
-    H_HOST_N,
-    H_HOST_NMISS,
-    H_WAIT_US,
-    H_WAITS,
     HOST_OBSERVE,
     OBSERVE_WORDS,
     S_BYTES,
@@ -97,10 +87,12 @@ class MissServer:
                 )
             finally:
                 child.close()
-            self.proc.stdin.write(json.dumps(spec).encode())
-            self.proc.stdin.close()
+            stdin = self.proc.stdin
+            assert stdin is not None  # stdin=PIPE
+            stdin.write(json.dumps(spec).encode())
+            stdin.close()
             deadline = time.monotonic() + SERVER_START_S
-            while not control.globals[G_READY]:
+            while not control.globals["ready"]:
                 self._check_alive()
                 if time.monotonic() > deadline:
                     raise DeviceWaitError(
@@ -149,7 +141,7 @@ class MissServer:
         seq = self._post(layer, kind, np.asarray(experts).reshape(1, -1))
         self._answered(layer, seq)
         t = self.control.layers[layer]
-        m = int(t.header[H_HOST_NMISS])
+        m = int(t.header["host_nmiss"])
         return t.host_missing[:m].astype(np.int64), t.host_victims[:m].astype(np.int64)
 
     def observe(self, layer: int, rows: np.ndarray) -> None:
@@ -173,9 +165,9 @@ class MissServer:
         self._answered(layer, int(c.host_requests[i]))
         n = rows.size
         t.host_request[:n] = rows.reshape(-1)
-        t.header[H_HOST_N] = n
-        t.header[H_HOST_K] = rows.shape[1]
-        t.header[H_HOST_KIND] = kind
+        t.header["host_n"] = n
+        t.header["host_k"] = rows.shape[1]
+        t.header["host_kind"] = kind
         seq = int(c.host_answers[i]) + 1
         c.host_requests[i] = seq
         try:
@@ -207,13 +199,13 @@ class MissServer:
             raise DeviceWaitError(
                 f"{fault} (MOEFLUX_WAIT_TIMEOUT_S={self.wait_timeout_s:g}); load the model again"
             )
-        errors = int(c.globals[G_ERRORS])
+        errors = int(c.globals["errors"])
         if errors != self._errors_seen:
             self._errors_seen = errors
             # the server frees the failed reads' slots once the GPU is past the calls that may
             # read them; raised after, so that a retry finds none of them poisoned
             deadline = time.monotonic() + HOST_WAIT_S
-            while c.globals[G_PENDING_RELEASE] and time.monotonic() < deadline:
+            while c.globals["pending_release"] and time.monotonic() < deadline:
                 self._check_alive()
                 time.sleep(1e-4)
             raise ExpertReadError(c.get_message())
@@ -243,7 +235,7 @@ class MissServer:
     def waits(self, layer: int) -> Tuple[int, int]:
         """GPU waits of ``layer`` so far and their total in microseconds."""
         h = self.control.layers[layer].header
-        return int(h[H_WAITS]), int(h[H_WAIT_US])
+        return int(h["waits"]), int(h["wait_us"])
 
     def close(self) -> None:
         """Stop the server once the GPU no longer needs it; free the shared memory."""
@@ -252,7 +244,7 @@ class MissServer:
             try:
                 mx.synchronize()  # any wait still enqueued is answered first
             finally:
-                self.control.globals[G_STOP] = 1
+                self.control.globals["stop"] = 1
                 try:
                     self._sock.send(b"w")
                 except OSError:

@@ -44,20 +44,6 @@ from ..errors import DeviceWaitError
 from ..io.store import store_from_spec
 from ..io.uncached import aligned_empty
 from .control_block import (
-    G_ERRORS,
-    G_PENDING_RELEASE,
-    G_READY,
-    G_STOP,
-    H_ERR,
-    H_HINT_N,
-    H_HINT_TICK,
-    H_HOST_K,
-    H_HOST_KIND,
-    H_HOST_N,
-    H_HOST_NMISS,
-    H_HOST_TICKS,
-    H_NCOPY,
-    H_NREQ,
     HOST_ADMIT,
     HOST_OBSERVE,
     HOST_RELEASE,
@@ -241,15 +227,14 @@ class Server:
         """Start reading the absent experts of every new hint, in the hint's order (a pass's
         first token first)."""
         c = self.control
-        for i in np.flatnonzero(c.hints != self.hints_seen):
-            i = int(i)
+        for i in np.flatnonzero(c.hints != self.hints_seen).tolist():
             self.hints_seen[i] = c.hints[i]
             layer, t, _ = self._layer(i)
-            n = min(int(t.header[H_HINT_N]), t.hint.size)
+            n = min(int(t.header["hint_n"]), t.hint.size)
             hint = t.hint[:n].astype(np.int64)
             hint = hint[(hint >= 0) & (hint < t.num_experts)]
             experts, first = np.unique(hint, return_index=True)
-            self.hinted[i] = Hint(int(t.header[H_HINT_TICK]), t.hint[:n].astype(np.int64))
+            self.hinted[i] = Hint(int(t.header["hint_tick"]), t.hint[:n].astype(np.int64))
             pending = self.prefetched.setdefault(i, {})
             keep = set(experts.tolist())
             for e in [e for e in pending if e not in keep]:
@@ -298,7 +283,7 @@ class Server:
         layer, t, policy = self._layer(i)
         self.release_failed(i)
         seq = int(c.requests[i])
-        n_request = int(t.header[H_NREQ])
+        n_request = int(t.header["nreq"])
         experts = np.unique(t.request[:n_request])
         tick = c.clock(i) + 1  # the waiting call's tick; the GPU counts the call when done
         call = int(c.ticks[i]) + 1  # the waiting call: the layer's GPU calls end in order
@@ -327,7 +312,7 @@ class Server:
         missing, victims = policy.admit(experts, tick, keep)
         n = missing.size
         early = missing[:0]  # later tokens' experts whose read failed: freed at once
-        t.header[H_ERR] = 0
+        t.header["err"] = 0
         try:
             layout = self.store.layout(layer)
             if in_place:  # the GPU copies them from the pinned files
@@ -361,7 +346,7 @@ class Server:
             t.stats[S_BYTES] += (n + outside.size) * layout.blob_size
             t.stats[S_MISSED] += n + outside.size
         except BaseException as e:  # noqa: BLE001 - the fill writes NaN bytes; released once the GPU is past
-            t.header[H_ERR] = 1
+            t.header["err"] = 1
             c.set_message(
                 f"{e}"
                 if str(e).startswith(("layer", "/"))
@@ -373,17 +358,17 @@ class Server:
             mine = np.isin(missing, own)
             early = missing[~mine]
             if mine.any():
-                c.globals[G_PENDING_RELEASE] += 1
+                c.globals["pending_release"] += 1
                 self.releases.append((i, int(c.ticks[i]) + 1, missing[mine]))
             # counted last: the model process, seeing it, waits for the release counted above
-            c.globals[G_ERRORS] += 1
+            c.globals["errors"] += 1
         finally:
             policy.assign(missing, victims, tick)
             if early.size:
                 policy.release(early)
             t.copy_src[:n] = missing if in_place else np.arange(n)  # an expert, a staging row
             t.copy_dst[:n] = victims
-            t.header[H_NCOPY] = n
+            t.header["ncopy"] = n
             c.answers[i] = seq  # last: the GPU reads everything above once it sees this
             if call >= last >= 0:
                 self._drop_hint(i)  # the hint's last call: what it did not take goes
@@ -392,26 +377,26 @@ class Server:
         c = self.control
         _, t, policy = self._layer(i)
         seq = int(c.host_requests[i])
-        if t.header[H_HOST_KIND] != HOST_OBSERVE:
+        if t.header["host_kind"] != HOST_OBSERVE:
             # synced (no call of the layer in flight): a failed read's slots go before the
             # request could count them resident
             self.release_failed(i)
-        experts = np.array(t.host_request[: int(t.header[H_HOST_N])], np.int64)
+        experts = np.array(t.host_request[: int(t.header["host_n"])], np.int64)
         missing = experts[:0]
-        if t.header[H_HOST_KIND] == HOST_ADMIT:
+        if t.header["host_kind"] == HOST_ADMIT:
             tick = c.clock(i) + 1
             missing, victims = policy.admit(np.unique(experts), tick)
             policy.assign(missing, victims, tick)
-            t.header[H_HOST_TICKS] += 1
+            t.header["host_ticks"] += 1
             t.host_missing[: missing.size] = missing
             t.host_victims[: missing.size] = victims
-        elif t.header[H_HOST_KIND] == HOST_RELEASE:
+        elif t.header["host_kind"] == HOST_RELEASE:
             policy.release(experts)
-        elif t.header[H_HOST_KIND] == HOST_OBSERVE:  # calls the policy did not serve
-            rows = experts.reshape(-1, max(int(t.header[H_HOST_K]), 1))
+        elif t.header["host_kind"] == HOST_OBSERVE:  # calls the policy did not serve
+            rows = experts.reshape(-1, max(int(t.header["host_k"]), 1))
             policy.observe(rows, c.clock(i) + 1)
-            t.header[H_HOST_TICKS] += len(rows)
-        t.header[H_HOST_NMISS] = missing.size
+            t.header["host_ticks"] += len(rows)
+        t.header["host_nmiss"] = missing.size
         c.host_answers[i] = seq
 
     def release_failed(self, answering: int = -1) -> None:
@@ -430,17 +415,17 @@ class Server:
             quiet = i == answering or ticks[i] >= self.answered[i]
             if quiet and int(ticks[i]) >= call:
                 self.policies[self.control.order[i]].release(experts)
-                self.control.globals[G_PENDING_RELEASE] -= 1
+                self.control.globals["pending_release"] -= 1
             else:
                 keep.append((i, call, experts))
         self.releases = keep
 
     def run(self) -> None:
         c = self.control
-        c.globals[G_READY] = 1
+        c.globals["ready"] = 1
         last_ticks, last_change = c.ticks.copy(), time.monotonic()
         poll_s = self.poll_s
-        while self.alive and not c.globals[G_STOP]:
+        while self.alive and not c.globals["stop"]:
             worked = False
             # the requests first, then the hints: a hint written before a request seen here is
             # taken before that request is answered, with the later tokens' experts it names

@@ -120,8 +120,8 @@ class PinnedExperts:
     """
 
     def __init__(self, store: ExpertStore, layers: Iterable[int]):
-        runs = {i: store.component_runs(i) for i in layers}
-        runs = {i: r for i, r in runs.items() if r is not None}
+        found = {i: store.component_runs(i) for i in layers}
+        runs = {i: r for i, r in found.items() if r is not None}
         paths = sorted({p for r in runs.values() for p, _, _ in r})
         total = sum(os.path.getsize(p) for p in paths)
         ram = psutil.virtual_memory().total

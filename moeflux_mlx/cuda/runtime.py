@@ -155,6 +155,9 @@ def register_host(ptr: int, nbytes: int, flags: int, what: str, advice: str = ""
     if err:
         lib.cudaHostUnregister(host)
         raise DeviceSetupError(f"cudaHostGetDevicePointer of {what} failed (error {err})")
+    if dev.value is None:  # success with a null address: nothing the GPU could use
+        lib.cudaHostUnregister(host)
+        raise DeviceSetupError(f"cudaHostGetDevicePointer of {what} returned no address")
     return int(dev.value)
 
 

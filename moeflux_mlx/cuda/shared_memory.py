@@ -39,7 +39,7 @@ class SharedMapping:
         self.array = np.frombuffer(self.map, np.uint8)[: self.nbytes]
 
     def close(self) -> None:
-        self.array = None
+        self.array = np.empty(0, np.uint8)  # drops the view of the map, so that it can close
         try:
             self.map.close()
         except BufferError:  # a view is still alive somewhere: the GC unmaps it later

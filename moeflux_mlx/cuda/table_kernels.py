@@ -28,12 +28,12 @@ import functools
 import hashlib
 import logging
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import TYPE_CHECKING, Dict, Optional
 
 import mlx.core as mx
 import numpy as np
 
-from ..compute.kernel_source import load_source
+from ..compute.kernel_source import Kernel, as_kernel, load_source
 from ..format.layout import ExpertLayout
 from .control_block import (
     FAULT_INDEX,
@@ -55,6 +55,9 @@ from .control_block import (
 )
 from .runtime import PinnedBuffer
 
+if TYPE_CHECKING:
+    from .pinned_files import LayerSources
+
 log = logging.getLogger(__name__)
 
 FILL_BLOCKS, FILL_THREADS = 132, 256
@@ -71,17 +74,15 @@ def _meta(control: ControlBlock, staging: PinnedBuffer, layer: int) -> mx.array:
 
 
 def _make_meta(control: ControlBlock, staging: PinnedBuffer, layer: int) -> mx.array:
-    """The kernels' view of a layer: its offsets in the control block (resolve_cuda.cuh reads
-    them by position), the control block's and the staging's device addresses, where its
-    hint goes (hint_cuda.cuh), then with pinned files where each component's experts lie."""
+    """The kernels' view of a layer (``control_block.META``): its words' offsets in the control
+    block (resolve_cuda.cuh reads them by position), the control block's and the staging's
+    device addresses, where its hint goes (hint_cuda.cuh), then with pinned files where each
+    component's experts lie."""
     t = control.layers[layer]
-    words = list(t.offsets)
-    for ptr in (control.buffer.device_ptr, staging.device_ptr):
-        words += [ptr & 0xFFFFFFFF, ptr >> 32]
-    words += list(t.hint_offsets)
-    for ptr in t.sources.device_ptrs if t.sources is not None else []:  # from META_SOURCES
-        words += [ptr & 0xFFFFFFFF, ptr >> 32]
-    meta = mx.array(np.array(words, np.uint32).view(np.int32))
+    if not isinstance(control.buffer, PinnedBuffer):
+        raise TypeError("the kernels need a control block made with allocate=PinnedBuffer")
+    sources = t.sources.device_ptrs if t.sources is not None else ()  # from META_SOURCES
+    meta = mx.array(t.words.meta(control.buffer.device_ptr, staging.device_ptr, sources))
     mx.eval(meta)
     return meta
 
@@ -130,26 +131,30 @@ def _named(kind: str, header: str, body: str) -> str:
 
 
 @functools.cache
-def _hint_kernel(wait_s: float):
+def _hint_kernel(wait_s: float) -> Kernel:
     header, body = _header(wait_s), load_source("hint_cuda.cuh")
-    return mx.fast.cuda_kernel(
-        name=_named("hint", header, body),
-        input_names=["inds", "pred", "meta"],
-        output_names=["out"],
-        source=body,
-        header=header,
+    return as_kernel(
+        mx.fast.cuda_kernel(
+            name=_named("hint", header, body),
+            input_names=["inds", "pred", "meta"],
+            output_names=["out"],
+            source=body,
+            header=header,
+        )
     )
 
 
 @functools.cache
-def _resolve_kernel(wait_s: float):
+def _resolve_kernel(wait_s: float) -> Kernel:
     header, body = _header(wait_s), load_source("resolve_cuda.cuh")
-    return mx.fast.cuda_kernel(
-        name=_named("resolve", header, body),
-        input_names=["inds", "meta", "after"],
-        output_names=["slots"],
-        source=body,
-        header=header,
+    return as_kernel(
+        mx.fast.cuda_kernel(
+            name=_named("resolve", header, body),
+            input_names=["inds", "meta", "after"],
+            output_names=["slots"],
+            source=body,
+            header=header,
+        )
     )
 
 
@@ -198,7 +203,7 @@ def _copy_kernel(
     components: tuple,
     wait_s: float,
     strides: Optional[tuple] = None,
-):
+) -> Kernel:
     """A kernel copying expert blobs into pool slots (``fill_cuda.cuh``, ``write_cuda.cuh``), one
     per expert layout: the component offsets and sizes (``(offset, nbytes)`` each) are
     compiled in. ``strides`` (fill only): each component's ``(stride, aligned)`` in the pinned
@@ -222,23 +227,27 @@ def _copy_kernel(
         )
     header = _header(wait_s) + _defines(BLOB=f"{blob_size}ll")
     body = load_source(f"{kind}_cuda.cuh").replace("MF_COPY_COMPONENTS", copies)
-    return mx.fast.cuda_kernel(
-        name=_named(kind, header, body),
-        input_names=[*first_inputs, *[f"p{i}" for i in range(len(components))]],
-        output_names=[output],
-        source=body,
-        header=header,
+    return as_kernel(
+        mx.fast.cuda_kernel(
+            name=_named(kind, header, body),
+            input_names=[*first_inputs, *[f"p{i}" for i in range(len(components))]],
+            output_names=[output],
+            source=body,
+            header=header,
+        )
     )
 
 
 @functools.cache
-def _fill_kernel(blob_size: int, components: tuple, wait_s: float, strides=None):
+def _fill_kernel(
+    blob_size: int, components: tuple, wait_s: float, strides: Optional[tuple] = None
+) -> Kernel:
     return _copy_kernel(
         "fill", ["slots", "meta"], "out_slots", blob_size, components, wait_s, strides
     )
 
 
-def _source_strides(sources, layout: ExpertLayout) -> Optional[tuple]:
+def _source_strides(sources: Optional[LayerSources], layout: ExpertLayout) -> Optional[tuple]:
     """``_copy_kernel``'s ``strides`` for a layer's pinned ``sources`` (None: none)."""
     if sources is None:
         return None
@@ -249,7 +258,7 @@ def _source_strides(sources, layout: ExpertLayout) -> Optional[tuple]:
 
 
 @functools.cache
-def _write_kernel(blob_size: int, components: tuple, wait_s: float):
+def _write_kernel(blob_size: int, components: tuple, wait_s: float) -> Kernel:
     return _copy_kernel("write", ["blobs", "dst"], "done", blob_size, components, wait_s)
 
 
@@ -278,7 +287,7 @@ class _Launches:
     makes them once per layer and token."""
 
     meta: mx.array
-    fill: object
+    fill: Kernel
     resolve_kwargs: dict
     fill_kwargs: dict
 

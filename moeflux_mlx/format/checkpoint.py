@@ -152,7 +152,7 @@ def _legacy_quantization(config: dict) -> Optional[dict]:
             "mxfp4-pack-quantized": {"group_size": 32, "bits": 4, "mode": "mxfp4"},
             "pack-quantized": {"group_size": 32, "bits": 4, "mode": "affine"},
         }
-        return table.get(fmt)
+        return table.get(fmt) if isinstance(fmt, str) else None
     if method == "modelopt":
         settings = qc.get("quantization", qc)
         if settings.get("quant_algo") == "NVFP4":
@@ -335,17 +335,17 @@ def scan_checkpoint(path: Path) -> CheckpointExperts:
     dense = {n: r for n, r in tensors.items() if n not in expert_names}
     q = _legacy_quantization(config)
     layers = {}
-    for layer, comps in sorted(found.items()):
+    for layer, ranges in sorted(found.items()):
         where = f"{path}: layer {layer}"
-        projections = sorted({c.split(".")[0] for c in comps})
+        projections = sorted({c.split(".")[0] for c in ranges})
         quant = {
-            p: _quantization_for(q, modules[layer], p, comps, _in_dims(comps, p), where)
+            p: _quantization_for(q, modules[layer], p, ranges, _in_dims(ranges, p), where)
             for p in projections
         }
         main = quant.get("gate_proj", quant.get("fc1"))
         overrides = {p: qp for p, qp in quant.items() if qp != main}  # None: unquantized
         layers[layer] = ExpertLayout.from_tensors(
-            {c: (r.dtype, r.shape) for c, r in comps.items()}, main, overrides, where
+            {c: (r.dtype, r.shape) for c, r in ranges.items()}, main, overrides, where
         )
     return CheckpointExperts(path, config, ModelLayout(layers, modules), found, dense)
 

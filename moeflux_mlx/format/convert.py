@@ -228,7 +228,8 @@ def _prepare_workdir(work: Path, state: dict, say: Callable[[str], None]) -> Non
 
 
 def _shards(dense: Dict[str, TensorRange]) -> List[List[str]]:
-    shards, size = [[]], 0
+    shards: List[List[str]] = [[]]
+    size = 0
     for name in sorted(dense):
         if shards[-1] and size + dense[name].nbytes > SHARD_BYTES:
             shards.append([])
@@ -258,7 +259,8 @@ def _write_dense(ckpt: CheckpointExperts, work: Path, bar) -> None:
 
 def _write_safetensors(out: Path, tensors: Dict[str, TensorRange], bar) -> None:
     """Write a safetensors file by copying each tensor's bytes in bounded chunks."""
-    header, offset = {"__metadata__": {"format": "mlx"}}, 0
+    header: Dict[str, object] = {"__metadata__": {"format": "mlx"}}
+    offset = 0
     for name, r in tensors.items():
         header[name] = {
             "dtype": r.dtype,
@@ -378,8 +380,7 @@ def verify_conversion(src, dst, *, progress: bool = True) -> None:
     total = layout.total_expert_bytes + sum(r.nbytes for r in ckpt.dense.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=not progress) as bar:
         for name, r in ckpt.dense.items():
-            a, b = _digest(r), _digest(dense_dst[name])
-            if a != b:
+            if _digest(r) != _digest(dense_dst[name]):
                 raise ConvertError(f"{dst}: tensor {name} differs from the source")
             bar.update(r.nbytes)
         for layer, lay in sorted(layout.layers.items()):

@@ -24,6 +24,9 @@ from .safetensors import TensorRange, open_readonly
 
 log = logging.getLogger(__name__)
 
+# expert ids, as a list or an integer array
+Experts = Union[Sequence[int], np.ndarray]
+
 
 def advise_random_reads(fd: int, what: str) -> None:
     """Turn the kernel's readahead off for ``fd``. The pieces of one expert, read in parallel,
@@ -113,7 +116,7 @@ class PackedLayer:
     def _what(self, e: int) -> str:
         return f"{self.path} (layer {self.layer}, expert {int(e)})"
 
-    def read_pread(self, experts: Sequence[int], out: np.ndarray) -> None:
+    def read_pread(self, experts: Experts, out: np.ndarray) -> None:
         for i, e in enumerate(experts):
             self.read_one(e, out[i])
 
@@ -132,7 +135,7 @@ class PackedLayer:
         the next's): where anyone mapping the file finds each expert's component."""
         return [(self.path, c.offset, self.layout.blob_size) for c in self.layout.components]
 
-    def read_mmap(self, experts: Sequence[int], out: np.ndarray) -> None:
+    def read_mmap(self, experts: Experts, out: np.ndarray) -> None:
         what = f"{self.path} (layer {self.layer})"
         _check_mapped(self.fd, self.layout.layer_bytes, what)
         if self._map is None:
@@ -207,11 +210,11 @@ class SafetensorsLayer:
             for c, r in self.parts
         ]
 
-    def read_pread(self, experts: Sequence[int], out: np.ndarray) -> None:
+    def read_pread(self, experts: Experts, out: np.ndarray) -> None:
         for i, e in enumerate(experts):
             self.read_one(e, out[i])
 
-    def read_mmap(self, experts: Sequence[int], out: np.ndarray) -> None:
+    def read_mmap(self, experts: Experts, out: np.ndarray) -> None:
         for f, fd in self.fds.items():
             _check_mapped(fd, self._need[f], f"{f} (layer {self.layer})")
         idx = np.asarray(experts)

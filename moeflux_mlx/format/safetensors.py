@@ -69,34 +69,34 @@ def read_header(path: Path) -> Dict[str, TensorRange]:
     if not isinstance(header, dict):
         raise SafetensorsHeaderError(f"{path}: safetensors header is not a JSON object")
     data_start = 8 + n
-    out = {}
+    out: Dict[str, TensorRange] = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
             dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-            b, e = offsets
+            start, end = offsets
         except (KeyError, TypeError, ValueError) as err:
             raise SafetensorsHeaderError(f"{path}: damaged entry for tensor {name!r}") from err
         if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
             raise SafetensorsHeaderError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
             raise SafetensorsHeaderError(f"{path}: tensor {name!r} has a damaged shape {shape!r}")
-        if not (_is_count(b) and _is_count(e)):
+        if not (_is_count(start) and _is_count(end)):
             raise SafetensorsHeaderError(f"{path}: tensor {name!r} has damaged offsets {offsets!r}")
         shape = tuple(shape)
         nbytes = DTYPE_SIZES[dtype] * math.prod(shape)
-        if not b <= e or e - b != nbytes:
+        if not start <= end or end - start != nbytes:
             raise SafetensorsHeaderError(
-                f"{path}: tensor {name!r} offsets {b}..{e} do not match "
+                f"{path}: tensor {name!r} offsets {start}..{end} do not match "
                 f"its shape {list(shape)} {dtype}"
             )
-        if data_start + e > size:
+        if data_start + end > size:
             raise SafetensorsHeaderError(
-                f"{path}: tensor {name!r} ends at byte {data_start + e}, "
+                f"{path}: tensor {name!r} ends at byte {data_start + end}, "
                 f"past the end of the file ({size} bytes); truncated?"
             )
-        out[name] = TensorRange(path, dtype, shape, data_start + b, nbytes)
+        out[name] = TensorRange(path, dtype, shape, data_start + start, nbytes)
     return out
 
 
