@@ -13,9 +13,11 @@ class LayerStats:
     tokens: int = 0  # tokens of every call (the router's rows)
     experts_routed: int = 0  # unique experts the router asked for, summed over synced calls
     experts_missed: int = 0  # of those, not resident when asked
-    prefetch_issued: int = 0  # experts read ahead because the next-layer prediction named them
-    prefetch_hits: int = 0  # misses whose bytes a prefetch had already read
-    prefetch_failed: int = 0  # prefetches that failed and were read again directly
+    # the device-side table's miss server reads a speculative pass's later tokens' experts
+    # ahead, once the pass's first token announces them (``table_kernels.hint``)
+    prefetch_issued: int = 0  # experts read ahead so
+    prefetch_hits: int = 0  # misses whose bytes such a read ahead had already read
+    prefetch_failed: int = 0  # reads ahead that failed and were read again directly
     experts_read: int = 0  # blobs read from disk (misses, whole-layer fills, prefetches)
     bytes_read: int = 0
     sync_s: float = 0.0  # waiting for the router's indices (device -> host)

@@ -9,7 +9,7 @@ kernels read it in place) and by the miss server:
 - global words (``GLOBALS``): stop, ready, read errors so far, releases pending;
 - one word per table layer in each of eight vectors: GPU request and answer sequence numbers, GPU
   faults, calls done on the GPU (the LRU clock), calls enqueued by the host, host request and
-  answer sequence numbers, and GPU hint sequence numbers (prefetch);
+  answer sequence numbers, and GPU hint sequence numbers (a speculative pass's experts);
 - per layer (``layer_dtype``): a header (``HEADER``), the table (expert -> slot, -1 absent),
   each slot's last use, the GPU request (its experts), the copy list for the next fill (staging
   row -> slot), the host request (its experts) and its answer (missing experts and the slots
@@ -317,7 +317,7 @@ class TableLayer:
     host_request: np.ndarray  # experts of the pending host request
     host_missing: np.ndarray  # its answer: the experts that were not resident ...
     host_victims: np.ndarray  # ... and the slots they were given
-    hint: np.ndarray  # experts predicted for the layer's next call (prefetch)
+    hint: np.ndarray  # experts of the layer's next calls (a speculative pass's later tokens)
     stats: np.ndarray  # int64 S_* counters
     launches: dict = field(default_factory=dict)  # the model process's kernel launches
     # the model process's ``pinned_files.LayerSources`` when its misses are copied out of the

@@ -49,13 +49,11 @@ class MissServer:
         wait_timeout_s: float,
         poll_us: float,
         poll_max_us: float,
-        read_ahead: bool = False,
         eviction: str = "lru",
         in_place: Sequence[int] = (),
     ):
         self.control = control
         self.wait_timeout_s = wait_timeout_s
-        self.read_ahead = read_ahead
         self.staging: Dict[int, PinnedBuffer] = {}  # blob size -> rows of one call's misses
         self._errors_seen = 0
         self._folded = {layer: np.zeros_like(t.stats) for layer, t in control.layers.items()}

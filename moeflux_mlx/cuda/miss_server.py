@@ -7,20 +7,20 @@ until its timeout (benchmarks/probes/table_stall_probe.py saw no poll at all for
 process has its own interpreter and never imports MLX.
 
 It maps the control block and the staging buffers (shared memory, see control_block.py), opens
-the expert files itself, owns the eviction policy of every table layer, and loops: answer host requests
-(admit or release experts for the model process's synced calls), answer GPU requests (read the
-missing experts into the staging, pick victims, update the table and the copy list), release
-experts whose read failed once the GPU is past them, and start reading the absent experts of
-each hint into buffers of its own, which the layer's requests take instead of reading them again
-(set-based: order does not matter). A hint names the experts of the layer's next calls: with
-prefetch, the next call's predicted experts; for a speculative pass looked up a token at a time,
-the experts of all its tokens, so the pass's union is read at once, a token's request admits the
-next tokens' experts too as far as the slots and the staging allow (those tokens then need no
-request), and the pass's other resident experts are kept (``EvictionPolicy.admit``'s ``keep``)
-until its last token. What the hint's calls did not take is dropped after the last of them. A
-pass served as one call may name more experts than the slots: the request's answer admits what
-they hold and leaves the rest where the GPU reads it (``within_slots``). It
-exits when told to stop or when the model process goes away (its socket closes).
+the expert files itself, owns the eviction policy of every table layer, and loops: answer host
+requests (admit or release experts for the model process's synced calls), answer GPU requests (read
+the missing experts into the staging, pick victims, update the table and the copy list), release
+experts whose read failed once the GPU is past them, and start reading the absent experts of each
+hint into buffers of its own, which the layer's requests take instead of reading them again
+(set-based: order does not matter). A hint names the experts of the layer's next calls: for a
+speculative pass looked up a token at a time, the experts of all its tokens, so the pass's union is
+read at once, a token's request admits the next tokens' experts too as far as the slots and the
+staging allow (those tokens then need no request), and the pass's other resident experts are kept
+(``EvictionPolicy.admit``'s ``keep``) until its last token. What the hint's calls did not take is
+dropped after the last of them. A pass served as one call may name more experts than the slots: the
+request's answer admits what they hold and leaves the rest where the GPU reads it
+(``within_slots``). It exits when told to stop or when the model process goes away (its socket
+closes).
 
 Started by ``miss_client.MissServer``: ``python -m moeflux_mlx.cuda.miss_server`` with a JSON
 spec on stdin.
