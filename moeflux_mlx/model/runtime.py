@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -46,6 +46,55 @@ def use_table(tuning: Tuning) -> bool:
             "libcudart: using a host sync per layer"
         )
     return available if tuning.device_table is None else bool(tuning.device_table) and available
+
+
+def machine_choices(tuning: Tuning) -> List[Tuple[str, str]]:
+    """What the machine decided rather than an option (``Tuning``), for ``doctor`` and ``info``.
+
+    Args:
+        tuning: the load options' ``tuning`` (the defaults: this machine's choices).
+
+    Returns:
+        ``(what, the choice and why)`` rows.
+    """
+    table = use_table(tuning)
+    device_writes = cuda_runtime.device_slot_writes(tuning.slot_writes)
+    warm = tuning.warm_read_threads
+    return [
+        (
+            "read threads",
+            f"{tuning.threads} (the cores, 8 to 16)"
+            + (f"; {warm} for a few experts the page cache holds" if warm else ""),
+        ),
+        (
+            "device-side table",
+            "on: decode looks slots up on the GPU, a miss server reads misses"
+            if table
+            else "off: one host sync per call (it needs MLX's CUDA backend and libcudart)",
+        ),
+        (
+            "slot writes",
+            "device: host staging, then a GPU scatter"
+            if device_writes
+            else "host: straight into the slots' memory",
+        ),
+        (
+            "whole-layer prefill",
+            f"from {tuning.prefill_whole_layer:g} routed rows per expert, the next layer read ahead"
+            if tuning.prefill_whole_layer > 0
+            else "never",
+        ),
+    ] + (
+        [
+            (
+                "miss server",
+                f"polls every {tuning.server_poll_us:g}-{tuning.server_poll_max_us:g} us; the GPU "
+                f"waits for it at most {tuning.wait_timeout_s:g} s",
+            )
+        ]
+        if table
+        else []
+    )
 
 
 def make_cache(store: ExpertStore, layout: ModelLayout, options: LoadOptions) -> ExpertCache:
