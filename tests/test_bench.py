@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.switch_layers import SwiGLU
 
-from moeflux_mlx.benchmark import decode, pagecache, report
-from moeflux_mlx.benchmark.routing import RoutingTrace
+from benchmarks.lib import decode, pagecache, report
+from benchmarks.lib.routing import RoutingTrace
 from moeflux_mlx.commands import bench as bench_cmd
 from moeflux_mlx.compute import backend as B
 from moeflux_mlx.compute import kernels as K
@@ -419,8 +419,8 @@ def test_kernels_benchmark_mxfp4_smoke(tmp_path, monkeypatch):
 def test_prompt_file_gives_the_benchmark_text_to_start_from(tmp_path, monkeypatch):
     """``--prompt-file``: the run starts from the text's first tokens (the tokenizer's ids, not
     random ones); a file too short or unreadable is one usage error."""
+    from benchmarks.lib import decode as decode_mod
     from moeflux_mlx import demo_model
-    from moeflux_mlx.benchmark import decode as decode_mod
 
     demo = demo_model.checkpoint_path()
     text = tmp_path / "prompt.txt"

@@ -19,7 +19,7 @@ import pytest
 from moeflux_mlx.format.checkpoint import PACKED_DIR
 from moeflux_mlx.format.convert import convert
 from moeflux_mlx.options import LoadOptions, OptionError, from_environment, parse_budget
-from moeflux_mlx.testing import synth
+from tests.support import synth
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 180

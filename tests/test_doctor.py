@@ -11,7 +11,7 @@ from moeflux_mlx import cli
 from moeflux_mlx.cache import wired
 from moeflux_mlx.commands import doctor
 from moeflux_mlx.format.checkpoint import expert_layout
-from moeflux_mlx.testing import synth
+from tests.support import synth
 
 
 @pytest.fixture(scope="module")

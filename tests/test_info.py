@@ -23,7 +23,7 @@ from moeflux_mlx.compute import kernels as K
 from moeflux_mlx.compute import selfcheck as S
 from moeflux_mlx.compute.backend import LayerChoice
 from moeflux_mlx.format.convert import convert
-from moeflux_mlx.testing import synth
+from tests.support import synth
 
 # layer -> how its experts are quantized (the rest of the model: affine 4-bit, group 64)
 EXPERT_QUANT = {2: dict(bits=4, group_size=32, mode="mxfp4"), 3: dict(bits=8, group_size=64)}

@@ -13,11 +13,11 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.switch_layers import SwitchGLU
 
 import moeflux_mlx
-from moeflux_mlx.benchmark.report import summary_lines
-from moeflux_mlx.benchmark.routing import RoutingTrace
-from moeflux_mlx.benchmark.trace_routing import TraceRoutingError, drive_routing, rewind_routing
+from benchmarks.lib.report import summary_lines
+from benchmarks.lib.routing import RoutingTrace
+from benchmarks.lib.trace_routing import TraceRoutingError, drive_routing, rewind_routing
 from moeflux_mlx.format.checkpoint import expert_layout
-from moeflux_mlx.testing import synth
+from tests.support import synth
 
 EXPERTS, TOP_K, LAYERS = 16, 4, 2  # synth's tiny qwen3_moe
 

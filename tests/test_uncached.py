@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moeflux_mlx.benchmark import pagecache
+from benchmarks.lib import pagecache
 from moeflux_mlx.errors import ExpertReadError
 from moeflux_mlx.io import store as st
 from moeflux_mlx.io import uncached
@@ -147,7 +147,7 @@ def test_the_bound_of_a_direct_run_reads_uncached(tiny_checkpoints):
     pages at the ends of ranges read in place (experts of 6.75 pages: a row of the staging lies
     at the same offset within a page as its expert in the file for one pair in four) go through
     the cache; the pread store's reads cache every page."""
-    from moeflux_mlx.benchmark.pagecache import expert_files, read_bandwidth
+    from benchmarks.lib.pagecache import expert_files, read_bandwidth
 
     _, packed = tiny_checkpoints["qwen3_moe"]
     files = expert_files(packed)
