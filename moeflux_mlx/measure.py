@@ -106,7 +106,9 @@ def _release() -> None:
     mx.clear_cache()
 
 
-def run_stock(path, prompt: mx.array, decode_tokens: int, prepare=as_is) -> DecodeRun:
+def run_stock(
+    path, prompt: mx.array, decode_tokens: int, prepare=as_is, run_type=DecodeRun
+) -> DecodeRun:
     """Stock mlx-lm's timed decode of ``prompt`` after a short warm-up.
 
     Args:
@@ -114,6 +116,7 @@ def run_stock(path, prompt: mx.array, decode_tokens: int, prepare=as_is) -> Deco
         prompt: the prompt's token ids.
         decode_tokens: tokens decoded after the first.
         prepare: called on the model right after it is loaded.
+        run_type: ``DecodeRun`` or a subclass of it.
 
     Returns:
         The run, named ``STOCK``.
@@ -125,7 +128,7 @@ def run_stock(path, prompt: mx.array, decode_tokens: int, prepare=as_is) -> Deco
     time_generation(model, prompt, WARM_UP_TOKENS)  # kernels of these shapes, the allocator
     mx.reset_peak_memory()
     ptps, dtps, tokens, _ = time_generation(model, prompt, decode_tokens)
-    run = DecodeRun(
+    run = run_type(
         STOCK,
         prompt_tokens=prompt.size,
         prompt_tps=ptps,

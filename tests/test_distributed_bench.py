@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.lib.distributed import rank_env
-from benchmarks.lib.report import machine_tag
+from moeflux_mlx.measure import machine_tag
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "distributed.py"

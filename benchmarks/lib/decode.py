@@ -148,7 +148,8 @@ class ColdTiming(measure.Timing):
         # read are counted, while the balloon still holds RAM, then the balloon goes
         with contextlib.ExitStack() as stack:
             if self.cold and not isinstance(self.page_cache, str):
-                self.ram = stack.enter_context(RamBalloon(int(self.page_cache * self.total)))
+                self.ram = RamBalloon(int(self.page_cache * self.total))
+                stack.enter_context(self.ram)
             if self.cold:
                 drop_page_cache(self.files)
                 stack.callback(self._count)
@@ -389,7 +390,7 @@ def run_benchmark(
     runs, failures = [], []
     stock_path = Path(stock_path or path)
     if stock and measure.can_run_stock(stock_path):
-        runs.append(measure.run_stock(stock_path, prompt, decode_tokens, prepare))
+        runs.append(measure.run_stock(stock_path, prompt, decode_tokens, prepare, DecodeRun))
     # budgets below 100% run with both slot lookups where the device-side table is available
     lookups = (False, True) if use_table(None) else (None,)
     if len(lookups) == 2 and lookup != "both":
