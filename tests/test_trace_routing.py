@@ -1,9 +1,10 @@
-"""Routing replayed from a trace (``benchmark.trace_routing``): the routers of a stock or a
+"""Routing replayed from a trace (``benchmarks/lib/trace_routing.py``): the routers of a stock or a
 streamed model pick exactly the traced experts, position after position, so the decode benchmark
 sees a trained model's I/O pattern at another model's expert sizes."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -157,7 +158,7 @@ def test_a_trace_of_another_shape_is_refused(ckpt, trace, message):
         drive_routing(model, trace)
 
 
-def test_bench_refuses_prefetch_and_bad_files_in_one_line(ckpt, tmp_path):
+def test_decode_benchmark_refuses_prefetch_and_bad_files_in_one_line(ckpt, tmp_path):
     bad = tmp_path / "bad.npz"
     bad.write_bytes(b"not a trace")
     good = _trace().save(tmp_path / "t.npz")
@@ -168,9 +169,7 @@ def test_bench_refuses_prefetch_and_bad_files_in_one_line(ckpt, tmp_path):
         r = subprocess.run(
             [
                 sys.executable,
-                "-m",
-                "moeflux_mlx.cli",
-                "bench",
+                str(Path(__file__).resolve().parents[1] / "benchmarks" / "decode.py"),
                 str(ckpt),
                 "--routing-trace",
                 str(trace),
