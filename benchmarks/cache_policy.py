@@ -1,7 +1,7 @@
 """Which eviction policy, and which prefetch predictor, suit a model's routing? Measured on
 routing traces: the experts every MoE layer routed each token to.
 
-Records (``moeflux_mlx.benchmark.routing``) a model's routing over held-out text, teacher-forced
+Records (``benchmarks/lib/routing.py``) a model's routing over held-out text, teacher-forced
 (one forward pass per ``--context`` tokens, every expert resident; the text's first ``--tokens``
 tokens, or with ``--per-document N`` the first N of each document), and over a short greedy
 decode from the text's start; saves each as a small trace file (``.npz``: experts as uint8
@@ -42,14 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from moeflux_mlx.benchmark import report  # noqa: E402
-from moeflux_mlx.benchmark.routing import (  # noqa: E402
+from benchmarks.lib.routing import (  # noqa: E402
     RoutingTrace,
     analyze,
     format_prompt_learning,
     format_report,
     prompt_learning_table,
 )
+from moeflux_mlx.measure import machine_name, machine_tag  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TEXT = ROOT / "training" / "data" / "tokens-test.npy"
@@ -88,7 +88,7 @@ def random_model(build_dir: Path) -> Path:
     Returns:
         Its checkpoint folder.
     """
-    from moeflux_mlx.testing import synth
+    from tests.support import synth
 
     path = build_dir / "qwen3_moe-demo-shape-random"
     if not (path / "config.json").exists():
@@ -137,7 +137,7 @@ def record(args, label: str, stem: str) -> List[RoutingTrace]:
     Returns:
         The traces: the text's, then the decode's if any.
     """
-    from moeflux_mlx.benchmark.routing import record_text
+    from benchmarks.lib.routing import record_text
 
     model = args.model if args.model is not None else random_model(args.build_dir)
     try:  # the result files name a model in the checkout by its path in the checkout
@@ -209,8 +209,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "traces")
     args = ap.parse_args(argv)
 
-    machine = report.machine_name()
-    tag = args.machine or report.machine_tag(machine)
+    machine = machine_name()
+    tag = args.machine or machine_tag(machine)
     date = datetime.date.today().isoformat()
     if args.traces:
         traces = [RoutingTrace.load(p) for p in args.traces]

@@ -6,7 +6,7 @@ same cache budget as one process (``--budget``, a fraction of the *whole* model'
     python benchmarks/distributed.py --size full --layers 8 --set num_experts=64 \\
         --routing-trace benchmarks/results/traces/2026-11-25-trained-text.npz   # on two GPUs
 
-Three jobs, one after the other in this one run (``moeflux_mlx/benchmark/distributed.py``):
+Three jobs, one after the other in this one run (``benchmarks/lib/distributed.py``):
 
 - ``single``: one process: stock mlx-lm, moeflux at the budget (warm page cache, then cold:
   the experts' files dropped from it throughout), on CUDA also with the host-synced lookup (as
@@ -37,13 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from moeflux_mlx.benchmark.distributed import gpu_count, launch_job  # noqa: E402
-from moeflux_mlx.benchmark.pagecache import read_bandwidth  # noqa: E402
-from moeflux_mlx.benchmark.report import free_stem, machine_name, machine_tag  # noqa: E402
-from moeflux_mlx.benchmark.trace_routing import REPLAYED_ROUTING  # noqa: E402
-from moeflux_mlx.commands.bench import add_model_args, benchmark_model  # noqa: E402
+from benchmarks.lib.cli import add_model_args, benchmark_model  # noqa: E402
+from benchmarks.lib.distributed import gpu_count, launch_job  # noqa: E402
+from benchmarks.lib.trace_routing import REPLAYED_ROUTING  # noqa: E402
 from moeflux_mlx.commands.common import UsageError, main_for, user_cache_dir  # noqa: E402
 from moeflux_mlx.format.checkpoint import expert_layout  # noqa: E402
+from moeflux_mlx.io.bandwidth import read_bandwidth  # noqa: E402
+from moeflux_mlx.measure import free_stem, machine_name, machine_tag  # noqa: E402
 
 JOBS = ("single", "pipeline", "tensor")
 

@@ -23,11 +23,11 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from moeflux_mlx.benchmark.pagecache import read_bandwidth  # noqa: E402
 from moeflux_mlx.commands.doctor import forecast, measure_decode, top_k_of  # noqa: E402
 from moeflux_mlx.format.checkpoint import expert_layout, is_packed  # noqa: E402
 from moeflux_mlx.format.convert import convert  # noqa: E402
-from moeflux_mlx.testing import synth  # noqa: E402
+from moeflux_mlx.io.bandwidth import read_bandwidth  # noqa: E402
+from tests.support import synth  # noqa: E402
 
 BUDGETS = (0.25, 0.5, 0.75)
 

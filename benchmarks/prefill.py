@@ -46,19 +46,19 @@ import mlx_lm  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 
 import moeflux_mlx  # noqa: E402
-from moeflux_mlx.benchmark.pagecache import drop_page_cache, expert_files  # noqa: E402
-from moeflux_mlx.benchmark.report import free_stem, machine_name, machine_tag  # noqa: E402
-from moeflux_mlx.benchmark.trace_routing import load_trace, rewind_routing  # noqa: E402
-from moeflux_mlx.commands.bench import (  # noqa: E402
-    _budget_list,
-    _io_list,
-    _replayed_routing,
+from benchmarks.lib.cli import (  # noqa: E402
     add_model_args,
     benchmark_model,
+    budget_list,
+    io_list,
+    replayed_routing,
 )
+from benchmarks.lib.trace_routing import load_trace, rewind_routing  # noqa: E402
 from moeflux_mlx.commands.common import UsageError  # noqa: E402
 from moeflux_mlx.errors import MoefluxError  # noqa: E402
 from moeflux_mlx.format.checkpoint import expert_layout  # noqa: E402
+from moeflux_mlx.io.bandwidth import drop_page_cache, expert_files  # noqa: E402
+from moeflux_mlx.measure import free_stem, machine_name, machine_tag  # noqa: E402
 from moeflux_mlx.options import DEFAULT_THREADS, DEFAULT_WARM_READ_THREADS  # noqa: E402
 
 
@@ -185,7 +185,7 @@ def _round_shifts(args) -> list:
 
 
 def run(args) -> dict:
-    prepare = _replayed_routing(args.routing_trace, args.prefetch, args.trace_predictor)
+    prepare = replayed_routing(args.routing_trace, args.prefetch, args.trace_predictor)
     path, stock_path = build_model(args)
     total = expert_layout(path).total_expert_bytes
     files = expert_files(path)
@@ -377,8 +377,8 @@ def main(argv=None) -> int:
     p.add_argument("--convert", action="store_true", help="stream from a converted copy")
     p.add_argument("--routing-trace", type=Path, default=None, metavar="TRACE")
     p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--budgets", type=_budget_list, default=[0.25])
-    p.add_argument("--io", type=_io_list, default=["mmap"], help="mmap,pread (default: mmap)")
+    p.add_argument("--budgets", type=budget_list, default=[0.25])
+    p.add_argument("--io", type=io_list, default=["mmap"], help="mmap,pread (default: mmap)")
     p.add_argument(
         "--prefill-whole-layer",
         type=_floats,

@@ -45,15 +45,15 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.utils import load_tokenizer  # noqa: E402
 
 from moeflux_mlx import demo_model  # noqa: E402
-from moeflux_mlx.benchmark import report  # noqa: E402
-from moeflux_mlx.benchmark.pagecache import (  # noqa: E402
+from moeflux_mlx.errors import MoefluxError  # noqa: E402
+from moeflux_mlx.format.checkpoint import expert_layout, is_packed  # noqa: E402
+from moeflux_mlx.format.convert import convert  # noqa: E402
+from moeflux_mlx.io.bandwidth import (  # noqa: E402
     PageCacheDropper,
     drop_page_cache,
     expert_files,
 )
-from moeflux_mlx.errors import MoefluxError  # noqa: E402
-from moeflux_mlx.format.checkpoint import expert_layout, is_packed  # noqa: E402
-from moeflux_mlx.format.convert import convert  # noqa: E402
+from moeflux_mlx.measure import free_stem, machine_name, machine_tag  # noqa: E402
 from moeflux_mlx.model.load import load  # noqa: E402
 from moeflux_mlx.model.lookup_decoding import LookupStats, lookup_generate_step  # noqa: E402
 
@@ -455,8 +455,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if len(ids) < 2:
             print("speculation.py: error: the prompt needs at least 2 tokens", file=sys.stderr)
             return 2
-        machine = report.machine_name()
-        label = args.machine or report.machine_tag(machine)
+        machine = machine_name()
+        label = args.machine or machine_tag(machine)
         print(
             f"{path}: prompt {prompt_name!r}, {len(ids)} tokens; decoding {args.decode_tokens} "
             f"tokens, {args.repeats} rounds",
@@ -491,7 +491,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = report.free_stem(out, f"{result['date']}-{label}-speculation")
+    stem = free_stem(out, f"{result['date']}-{label}-speculation")
     md = [
         f"# Prompt-lookup speculation: {path.name}",
         "",

@@ -6,7 +6,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from moeflux_mlx.format.convert import convert  # noqa: E402
-from moeflux_mlx.testing import synth  # noqa: E402
+from tests.support import synth  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ from moeflux_mlx.format.convert import convert
 from moeflux_mlx.model.experts import build_model, find_experts, find_router
 from moeflux_mlx.model.predict import next_gates
 from moeflux_mlx.model.switch import StreamingSwitchGLU
-from moeflux_mlx.testing import architectures, synth
+from tests.support import architectures, synth
 
 CPU_ARCHS = sorted(a for a in architectures.MOE_ARCHITECTURES if a not in architectures.NOT_ON_CPU)
 # the architectures named in the task, checked through every source and I/O mode

@@ -1,452 +1,79 @@
-"""The decode benchmark runs end to end and reports what it measured."""
+"""``moeflux-mlx bench`` and its runner (``moeflux_mlx.measure``): a user's model against stock
+mlx-lm at a few cache budgets, end to end; and the disk's rate that doctor measures
+(``moeflux_mlx.io.bandwidth``)."""
 
-import argparse
-import importlib.util
 import json
 import os
-from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
 import pytest
-from mlx_lm.models.switch_layers import SwiGLU
 
-from moeflux_mlx.benchmark import decode, pagecache, report
-from moeflux_mlx.benchmark.routing import RoutingTrace
+from moeflux_mlx import measure
 from moeflux_mlx.commands import bench as bench_cmd
-from moeflux_mlx.compute import backend as B
-from moeflux_mlx.compute import kernels as K
-from moeflux_mlx.compute.ops import OpsBackend
+from moeflux_mlx.io import bandwidth
 
 
-def test_benchmark_runs_and_writes_results(tiny_checkpoints, tmp_path):
-    src, packed = tiny_checkpoints["qwen3_moe"]
-    result = decode.run_benchmark(
-        packed,
-        stock_path=src,
-        budgets=(1.0, 0.99, 0.25),
-        io_modes=("pread",),
-        prefetch=(False, True),
-        prompt_tokens=16,
-        decode_tokens=8,
+def test_bench_runs_against_stock_and_writes_results(tiny_checkpoints, tmp_path):
+    """Stock first, then one run per budget, each announced as it starts; the ratios are to
+    stock's decode rate, the partial budget reads experts, and the files hold the rows."""
+    src, _ = tiny_checkpoints["qwen3_moe"]
+    lines = []
+    result = measure.run_bench(
+        src, budgets=(1.0, 0.25), prompt_tokens=8, decode_tokens=4, progress=lines.append
     )
-    names = [(r["name"], r["budget"]) for r in result["runs"]]
-    assert names[0] == ("stock mlx-lm", "-")
-    assert ("moeflux ops", "100%") in names and ("moeflux ops +prefetch", "25%") in names
-    assert len(names) == 1 + 1 + 2 + 2  # stock, 100%, then 99% and 25% with and without prefetch
+    assert lines == [
+        "[1/3] stock mlx-lm ...",
+        "[2/3] moeflux, 100% of the experts cached ...",
+        "[3/3] moeflux, 25% of the experts cached ...",
+    ]
+    runs = result["runs"]
+    assert [(r["name"], r["budget"]) for r in runs] == [
+        ("stock mlx-lm", "-"),
+        ("moeflux ops", "100%"),
+        ("moeflux ops", "25%"),
+    ]
+    assert runs[0]["ratio_to_stock"] == 1.0
+    for r in runs[1:]:
+        assert r["ratio_to_stock"] == pytest.approx(r["decode_tps"] / runs[0]["decode_tps"])
+    assert runs[1]["hit_rate"] is None  # resident: nothing to look up
+    assert runs[2]["mb_read_per_token"] > 0 and 0 < runs[2]["hit_rate"] < 1
     assert all(result["tokens_identical_to_stock"].values())
-    by = {(r["name"], r["budget"]): r for r in result["runs"]}
-    assert by[("moeflux ops", "100%")]["hit_rate"] is None  # resident: no syncs to count
-    cold = by[("moeflux ops", "25%")]
-    assert cold["mb_read_per_token"] > 0 and cold["io_bound_tps"] > 0 and 0 < cold["hit_rate"] < 1
-    # a cold run's bound: the disk's cold rate measured on both sides of it, their mean
-    before, after = cold["cold_gb_s_before_after"]
-    assert before > 0 and after > 0 and cold["cold_gb_s"] == pytest.approx((before + after) / 2)
-    assert cold["io_bound_tps"] == pytest.approx(
-        cold["cold_gb_s"] * 1e3 / cold["mb_read_per_token"]
-    )
-    assert by[("moeflux ops", "100%")]["cold_gb_s"] is None  # warm: the run-wide figure
-    ahead = by[("moeflux ops +prefetch", "25%")]
-    assert ahead["prefetch_issued_per_token"] > 0 and cold["prefetch_issued_per_token"] == 0
-    assert result["sync_overhead_ms_per_layer"] is not None
-    files = report.write_results(result, tmp_path, "t")
-    assert json.loads(files[0].read_text())["runs"] == result["runs"]
+    assert set(result["tokens_identical_to_stock"]) == {
+        f"{r['name']} {r['io_mode']} {r['budget']}" for r in runs[1:]
+    }
+    files = measure.write_results(result, tmp_path, "t")
+    assert json.loads(files[0].read_text())["runs"] == runs
     md = files[1].read_text()
-    assert (
-        "| config | io | cache |" in md
-        and "read ahead/tok" in md
-        and "identical to stock mlx-lm: 5/5" in md
-    )
+    assert "| config | io | cache |" in md and "x stock" in md
+    assert "Greedy tokens identical to stock mlx-lm: 2/2 runs." in md
+    assert (len(files) == 3) == (measure.plot_unavailable() is None)
+    # a second result of that name does not overwrite the first
+    assert measure.write_results(result, tmp_path, "t")[0].name == "t-2.json"
 
 
-def test_page_cache_kept_runs_without_the_dropper_and_says_what_it_held(
-    tiny_checkpoints, monkeypatch, tmp_path
-):
-    """``page_cache="kept"``: cold at the start, then no dropper (RAM decides what the
-    page cache keeps); the run says how many of the experts' bytes it held at the end."""
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        pytest.skip("page-cache residency is checked with Linux's mincore")
-    _, packed = tiny_checkpoints["qwen3_moe"]
-    started = []
-    real = decode.PageCacheDropper
-
-    def spy(files, *a, **k):
-        started.append(files)
-        return real(files, *a, **k)
-
-    monkeypatch.setattr(decode, "PageCacheDropper", spy)
-    common = dict(budgets=(0.25,), io_modes=("pread",), prompt_tokens=8, decode_tokens=4)
-    kept = decode.run_benchmark(packed, stock=False, page_cache="kept", **common)
-    assert not started and kept["page_cache"] == "kept"
-    run = kept["runs"][0]
-    total = sum(f.stat().st_size for f in pagecache.expert_files(packed))
-    # the decode's misses went through the page cache and stayed there
-    assert 0 < run["page_cache_mb"] * 1e6 <= total
-    dropped = decode.run_benchmark(packed, stock=False, **common)
-    assert started and dropped["page_cache"] == "dropped"
-    # the disk's own count: the dropped run's misses all went to the disk
-    gone = dropped["runs"][0]
-    if gone["disk_mb_per_token"] is not None:  # the dropper runs before the prompt's reads
-        assert gone["disk_mb_per_token"] >= 0.5 * gone["mb_read_per_token"]
-    md = report.write_results(kept, tmp_path, "t")[1].read_text()
-    assert "page cache MB" in md and "disk MB/tok" in md and "start cold" in md
-    with pytest.raises(ValueError, match="page_cache"):
-        decode.run_benchmark(packed, stock=False, page_cache="warm", **common)
+def test_bench_command_on_the_demo_model(tmp_path, capsys):
+    """No MODEL: the built-in demo model; the table on stdout, the files in --out. The research
+    switches are not the user's command's."""
+    out = tmp_path / "r"
+    argv = ["--budgets", "1", "--prompt-tokens", "4", "--decode-tokens", "2", "--no-stock"]
+    argv += ["--expert-io", "pread", "--out", str(out), "--machine", "t"]
+    assert bench_cmd.main(argv) == 0
+    printed = capsys.readouterr()
+    assert "| moeflux " in printed.out and "| pread | 100% |" in printed.out
+    assert "[1/1] moeflux, 100% of the experts cached ..." in printed.err
+    (json_file,) = out.glob("*-t-decode.json")
+    result = json.loads(json_file.read_text())
+    assert [r["budget"] for r in result["runs"]] == ["100%"]
+    for research in (["--prefetch", "on"], ["--io", "mmap"], ["--arch", "qwen3_moe"]):
+        with pytest.raises(SystemExit) as refused:
+            bench_cmd.main([*argv, *research])
+        assert refused.value.code == 2
 
 
-def test_ram_balloon_holds_all_but_what_it_leaves_and_gives_it_back():
-    """The balloon takes what is available beyond ``leave`` (a few hundred MiB here, not RAM),
-    gives it back when this process takes memory, frees it when it stops; killed (as the OOM
-    killer would), it fails loudly."""
-    import time
-
-    import numpy as np
-    import psutil
-
-    why = pagecache.can_hold_ram()
-    if why:
-        pytest.skip(why)
-    take = 384 << 20
-    with pagecache.RamBalloon(psutil.virtual_memory().available - take) as balloon:
-        proc = psutil.Process(balloon._proc.pid)
-        before = proc.memory_info().rss
-        assert before > take // 2  # written, so really taken
-        mine = np.ones(take // 2, np.uint8)  # this process takes half of it
-        deadline = time.monotonic() + 10
-        while proc.memory_info().rss > before - take // 4 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert proc.memory_info().rss <= before - take // 4  # given back
-        del mine
-    assert take // 3 < balloon.held_bytes < 3 * take
-    assert not psutil.pid_exists(proc.pid) or proc.status() == psutil.STATUS_ZOMBIE
-    with pytest.raises(RuntimeError, match="died"):
-        with pagecache.RamBalloon(psutil.virtual_memory().available - take) as balloon:
-            balloon._proc.kill()
-            balloon._proc.wait()
-
-
-def test_page_cache_share_holds_ram_around_the_cold_decode(tiny_checkpoints, monkeypatch):
-    """``page_cache=0.5``: the cold run's prompt and decode run inside a balloon that leaves half
-    the experts' bytes (and no dropper); the bench's flag takes a share, and refuses what is
-    none or cannot run here."""
-    _, packed = tiny_checkpoints["qwen3_moe"]
-    events, leaves = [], []
-
-    class Balloon:
-        held_bytes = 123 << 20
-
-        def __init__(self, leave):
-            leaves.append(leave)
-
-        def __enter__(self):
-            events.append("enter")
-
-        def __exit__(self, *exc):
-            events.append("exit")
-
-    timed = decode._time_generation
-
-    def spy(model, prompt, n, on_first=None):
-        if on_first is not None:  # the timed decode (the warm-up has no on_first)
-            events.append("decode")
-        return timed(model, prompt, n, on_first)
-
-    monkeypatch.setattr(decode, "RamBalloon", Balloon)
-    monkeypatch.setattr(decode, "can_hold_ram", lambda: None)
-    monkeypatch.setattr(decode, "_time_generation", spy)
-    monkeypatch.setattr(decode, "PageCacheDropper", lambda *a, **k: pytest.fail("the dropper ran"))
-    common = dict(stock=False, io_modes=("pread",), prompt_tokens=8, decode_tokens=4)
-    result = decode.run_benchmark(packed, budgets=(1.0, 0.25), page_cache=0.5, **common)
-    assert events == ["decode", "enter", "decode", "exit"]  # 100% warm, then 25% inside it
-    total = sum(f.stat().st_size for f in pagecache.expert_files(packed))
-    assert leaves == [int(0.5 * decode.expert_layout(packed).total_expert_bytes)]
-    assert 0.4 * total < leaves[0] <= 0.5 * total
-    cold = result["runs"][1]
-    assert cold["ram_held_gb"] == pytest.approx((123 << 20) / 1e9)
-    assert "all of RAM but 50% of the experts' bytes" in report.cold_runs(result["page_cache"])
-    parser = argparse.ArgumentParser()
-    bench_cmd.add_args(parser)
-    assert parser.parse_args(["--page-cache", "0.25"]).page_cache == 0.25
-    assert parser.parse_args(["--page-cache", "KEPT"]).page_cache == "kept"
-    for bad in ("2", "0", "warm"):
-        with pytest.raises(SystemExit):
-            parser.parse_args(["--page-cache", bad])
-    monkeypatch.setattr(decode, "can_hold_ram", lambda: "swap is on")
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--page-cache", "0.25"])
-    with pytest.raises(ValueError, match="swap is on"):
-        decode.run_benchmark(packed, budgets=(0.25,), page_cache=0.5, **common)
-
-
-def test_paired_resident_rounds(tiny_checkpoints):
-    src, packed = tiny_checkpoints["qwen3_moe"]
-    result = decode.run_benchmark(
-        packed,
-        stock_path=src,
-        budgets=(1.0,),
-        io_modes=("mmap",),
-        prompt_tokens=8,
-        decode_tokens=4,
-        repeats=2,
-    )
-    paired = result["paired_resident"]
-    assert paired["rounds"] == 2 and len(paired["stock_tps"]) == 2
-    assert set(paired["moeflux"]) == {"moeflux ops", report.CEILING}  # on the CPU: ops only
-    for r in paired["moeflux"].values():
-        assert len(r["tps"]) == 2 and r["median_ratio"] > 0
-    lines = report.summary_lines(result)
-    assert any("decoding in turn, 2 rounds" in line for line in lines)
-    assert any(line.startswith("Ceiling: ") for line in lines)
-
-
-def test_skipped_experts_read_nothing_and_keep_shapes(tiny_checkpoints):
-    """The ceiling's stand-in backend: the shape SwitchGLU returns, no weight touched."""
-    import mlx.core as mx
-
-    x = mx.ones((1, 3, 16))
-    y = decode.SkippedExperts()(x, mx.zeros((1, 3, 4), mx.uint32), pool=None, activation=None)
-    assert y.shape == (1, 3, 4, 16) and mx.array_equal(y[:, :, 2], x)
-
-
-def _resident_fraction(path) -> float:
-    """Share of ``path``'s pages in the page cache (``mincore``)."""
-    pages = pagecache.resident_pages(path)
-    if pages is None:
-        pytest.skip("mincore is unavailable here")
-    return float(pages.mean())
-
-
-def test_page_cache_dropper_drops_while_it_runs(tiny_checkpoints):
-    import sys
-    import time
-
-    if not sys.platform.startswith("linux"):
-        pytest.skip("page-cache residency is checked with Linux's mincore")
-    _, packed = tiny_checkpoints["qwen3_moe"]
-    files = pagecache.expert_files(packed)
-    for f in files:  # every page cached, as after a warm read
-        f.read_bytes()
-    assert min(_resident_fraction(f) for f in files) > 0.9
-    with pagecache.PageCacheDropper(files, period_s=1e-3) as dropper:
-        proc = dropper._proc
-        for f in files:  # read again while it runs: dropped again within milliseconds
-            f.read_bytes()
-        time.sleep(0.3)
-        assert proc.poll() is None  # drops in a process of its own until told to stop
-        assert max(_resident_fraction(f) for f in files) < 0.1
-    assert dropper.drops >= 3 and proc.poll() == 0  # stopped, and said how often it dropped
-
-
-def test_cli_builds_the_model_it_is_told(tmp_path):
-    """``--set`` and ``--layers`` shape the built random model (the same per-token work with fewer
-    experts builds faster), and the run writes its results."""
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    bench_cmd.add_args(parser)
-    args = parser.parse_args(
-        [
-            "--size",
-            "tiny",
-            "--set",
-            "num_experts=6",
-            "--layers",
-            "2",
-            "--build-dir",
-            str(tmp_path / "m"),
-            "--budgets",
-            "1",
-            "--io",
-            "mmap",
-            "--prefetch",
-            "off",
-            "--prompt-tokens",
-            "4",
-            "--decode-tokens",
-            "2",
-            "--no-stock",
-            "--out",
-            str(tmp_path / "r"),
-            "--machine",
-            "t",
-        ]
-    )
-    assert bench_cmd.run(args) == 0
-    built = tmp_path / "m" / "qwen3_moe-tiny-num_experts6-2l"
-    config = json.loads((built / "config.json").read_text())
-    assert config["num_experts"] == 6 and config["num_hidden_layers"] == 2
-    assert list((tmp_path / "r").glob("*-t-decode.json"))
-    with __import__("pytest").raises(bench_cmd.UsageError, match="KEY=VALUE"):
-        bench_cmd.parse_config_setting("num_experts")
-
-
-def test_cli_convert_streams_from_the_packed_copy_and_runs_stock_from_the_original(tmp_path):
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    bench_cmd.add_args(parser)
-    args = parser.parse_args(
-        [
-            "--size",
-            "tiny",
-            "--layers",
-            "2",
-            "--convert",
-            "--build-dir",
-            str(tmp_path / "m"),
-            "--budgets",
-            "1",
-            "--io",
-            "pread",
-            "--prefetch",
-            "off",
-            "--prompt-tokens",
-            "4",
-            "--decode-tokens",
-            "2",
-            "--out",
-            str(tmp_path / "r"),
-            "--machine",
-            "t",
-        ]
-    )
-    assert bench_cmd.run(args) == 0
-    packed = tmp_path / "m" / "qwen3_moe-tiny-2l-packed"
-    assert (packed / "packed_experts").is_dir()
-    result = json.loads(next((tmp_path / "r").glob("*-t-decode.json")).read_text())
-    assert Path(result["model"]).name == packed.name
-    assert result["runs"][0]["name"] == "stock mlx-lm"
-
-
-# --------------------------------------------------------------------------- benchmarks/*.py
-
-
-def _benchmark_script(name):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_prefill_benchmark_variants():
-    """The prefill benchmark's configurations: the whole-layer switches are varied only where
-    layers are read whole, prefetch and threads everywhere, and each name says what varies."""
-    pf = _benchmark_script("prefill")
-    p = argparse.Namespace(
-        prefill_whole_layer=[4.0, 0.0],
-        read_ahead=[True, False],
-        dma=[False],
-        warm_slots=[False],
-        pin_experts=[True, False],
-        prefetch=[True, False],
-        threads=[8],
-        warm_read_threads=[4, 0],
-    )
-    runs = list(pf._variants(p))
-    # whole: ahead x pinned x prefetch; synced: prefetch only
-    assert len(runs) == (2 * 2 * 2 + 2) * 2
-    names = {pf._variant_name(p, "pread", 0.25, *r) for r in runs}
-    assert len(names) == len(runs)
-    assert "moeflux pread 25% whole=4 no ahead pinned prefetch warm reads on 4" in names
-    assert "moeflux pread 25% whole=0 no prefetch warm reads on all" in names
-    # prefetch would predict from the routers a trace replaces
-    with pytest.raises(bench_cmd.UsageError, match="--trace-predictor"):
-        pf._replayed_routing(Path("t.npz"), [True, False], None)
-
-
-def test_prefill_rounds_take_distinct_windows_within_the_replayed_trace(tmp_path):
-    """With a routing trace every round (the warm-up first) replays its own window, all inside
-    the part that is replayed (where the predictions are, with a predictor), so no round's
-    steps after the prompt find the previous round's experts in the slots; a trace shorter
-    than a prompt and its two steps is refused in one line."""
-    pf = _benchmark_script("prefill")
-    rng = np.random.default_rng(0)
-    routed = np.stack([rng.choice(16, (2, 4), replace=True) for _ in range(200)])
-    path = tmp_path / "t.npz"
-    RoutingTrace(routed, [0, 1], [16, 16], np.full(200, -1), eval_from=40).save(path)
-    args = argparse.Namespace(routing_trace=path, trace_predictor=None, prompt_tokens=20, repeats=4)
-    for predictor, span in ((None, 200), ("ridge", 160)):
-        args.trace_predictor = predictor
-        shifts = pf._round_shifts(args)
-        assert len(shifts) == 5 and shifts[0] == 0 and shifts[-1] + 22 <= span
-        assert all(b - a >= 22 for a, b in zip(shifts, shifts[1:]))  # no overlap here
-    args.routing_trace = None
-    assert pf._round_shifts(args) == [0] * 5
-    args.routing_trace, args.prompt_tokens = path, 159
-    with pytest.raises(bench_cmd.UsageError, match="160 replayable positions"):
-        pf._round_shifts(args)
-
-
-def test_kernels_benchmark_mxfp4_smoke(tmp_path, monkeypatch):
-    """--smoke runs the mxfp4 comparison anywhere (the CPU too: the fused kernels are skipped
-    with a note) and writes its row; a shape the fused kernels refuse is reported, with the
-    proxy shape their figure would come from, not launched."""
-    kb = _benchmark_script("kernels")
-    # gpt-oss-120b / 5: 18 16-byte chunks a row in 4-bit, which no down launch shape divides
-    monkeypatch.setitem(kb.MODELS, "tiny-gpt-oss", (576, 576, 4))
-    kb.main(["--smoke", "--models", "tiny-gpt-oss", "--out", str(tmp_path), "--tag", "t"])
-    (result,) = json.loads(next(tmp_path.glob("*-t-kernels.json")).read_text())["results"]
-    m = result["mxfp4"]
-    assert m["ffn_bytes"] == 4 * 3 * (576 * 576 // 2 + 576 * 576 // 32)  # weights + e8m0 scales
-    assert m["gpt_oss_ffn_bytes"] == m["ffn_bytes"] + 4 * 3 * 576 * 2  # + bf16 bias vectors
-    assert m["finite"] and all(v > 0 for v in m["gbs"].values())
-    assert m["gather_qmm_affine_gbs"] == result["gbs"]["gather_qmm_ffn"] > 0
-    assert "no launch shape" in result["fused_refusal"] and m["proxy_shape"]
-    md = next(tmp_path.glob("*-t-kernels.md")).read_text()
-    assert "## mxfp4 experts (gpt-oss's format)" in md
-    rows = [line for line in md.splitlines() if line.startswith("| tiny-gpt-oss (576, 576, 4) |")]
-    row = rows[-1]  # the mxfp4 table's, after the main table's
-    if mx.default_device() == mx.cpu:
-        assert result["fused"].startswith(kb.NO_GPU) and m["max_gain"] is None
-        assert row.endswith("| n/a | n/a |") and "fused kernels not timed: no Metal or CUDA" in md
-    else:
-        assert m["fused_affine_source"].startswith("proxy shape") and m["max_gain"] > 0
-
-    # the real shape: refused for the same reason (the runtime's decision: a GPU runs such a
-    # layer on ops, it does not launch it), measured on a GPU at H = I = 3072
-    why = kb.fused_refusal(2880, 2880, 4, 64, None)
-    assert "down rows of 2880 weights have no launch shape" in why and "90 chunks" in why
-    assert kb.covered_proxy(2880, 2880, 4, 64, None) == (3072, 3072)
-    gpu = K.KernelBackend("cuda", OpsBackend())
-    gpu._available = True
-    spec = kb.affine_spec(2880, 2880, 4, 64)
-    assert B.layer_choice(gpu, spec, SwiGLU(), topk=4) == B.LayerChoice("ops", why)
-
-
-def test_prompt_file_gives_the_benchmark_text_to_start_from(tmp_path, monkeypatch):
-    """``--prompt-file``: the run starts from the text's first tokens (the tokenizer's ids, not
-    random ones); a file too short or unreadable is one usage error."""
-    from moeflux_mlx import demo_model
-    from moeflux_mlx.benchmark import decode as decode_mod
-
-    demo = demo_model.checkpoint_path()
-    text = tmp_path / "prompt.txt"
-    text.write_text("It is a truth universally acknowledged, that a single man in possession")
-    seen = {}
-    real = decode_mod.run_benchmark
-
-    def spy(path, **kw):
-        seen["prompt"] = kw["prompt"]
-        return real(path, **kw)
-
-    monkeypatch.setattr(bench_cmd, "run_benchmark", spy)
-    common = ["--budgets", "1", "--io", "mmap", "--prefetch", "off", "--decode-tokens", "2"]
-    common += ["--no-stock", "--out", str(tmp_path / "r"), "--machine", "t"]
-    assert (
-        bench_cmd.main([str(demo), "--prompt-file", str(text), "--prompt-tokens", "6", *common])
-        == 0
-    )
-    from mlx_lm.utils import load_tokenizer
-
-    assert seen["prompt"] == load_tokenizer(demo).encode(text.read_text())[:6]
-    assert (
-        bench_cmd.main([str(demo), "--prompt-file", str(text), "--prompt-tokens", "999", *common])
-        == 2
-    )
-    assert bench_cmd.main([str(demo), "--prompt-file", str(tmp_path / "none"), *common]) == 2
+def test_budgets_are_shares_of_the_experts():
+    assert bench_cmd.budget_list("1,0.5,0") == [1.0, 0.5, 0.0]
+    for bad in ("2", "-0.1", "half"):
+        with pytest.raises(Exception, match="fraction|number"):
+            bench_cmd.budget_list(bad)
 
 
 def _file_of(fd):
@@ -501,8 +128,8 @@ def test_cold_bandwidth_reads_distinct_whole_experts(tiny_checkpoints, monkeypat
         )[1],
     )
     dropped = []
-    monkeypatch.setattr(pagecache, "drop_page_cache", lambda files: dropped.append(len(done)))
-    cold, warm = pagecache.read_bandwidth(path, reads=reads, threads=3)
+    monkeypatch.setattr(bandwidth, "drop_page_cache", lambda files: dropped.append(len(done)))
+    cold, warm = bandwidth.read_bandwidth(path, reads=reads, threads=3)
     assert cold > 0 and warm > 0 and dropped == [0]  # dropped once, before the cold pass
     store, layout = open_store(path, "pread", threads=1)
     with store:
@@ -532,33 +159,3 @@ def test_cold_bandwidth_reads_distinct_whole_experts(tiny_checkpoints, monkeypat
     assert len(covered) == n
     read = sum(b - a for mine in spans.values() for a, b in mine)
     assert read == sum(size for key in covered for _, _, size in expert_bytes[key])
-
-
-@pytest.mark.parametrize(
-    "lookup, expected", [("both", [False, True]), ("device", [True]), ("host", [False])]
-)
-def test_lookup_picks_the_slot_lookups_of_partial_budgets(
-    tiny_checkpoints, monkeypatch, lookup, expected
-):
-    """Where the table can run, ``lookup`` chooses which lookups a partial budget decodes with
-    (the table is faked available: on the CPU a run asked for it falls back to the host's)."""
-    _, packed = tiny_checkpoints["qwen3_moe"]
-    seen = []
-    real = decode._run_moeflux
-
-    def spy(*a, device_table=None, **kw):
-        seen.append((a[4], device_table))  # (budget, lookup asked for)
-        return real(*a, device_table=device_table, **kw)
-
-    monkeypatch.setattr(decode, "use_table", lambda requested: True)
-    monkeypatch.setattr(decode, "_run_moeflux", spy)
-    decode.run_benchmark(
-        packed,
-        stock=False,
-        budgets=(0.25,),
-        io_modes=("pread",),
-        prompt_tokens=4,
-        decode_tokens=2,
-        lookup=lookup,
-    )
-    assert seen == [(0.25, table) for table in expected]

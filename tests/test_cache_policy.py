@@ -1,4 +1,4 @@
-"""benchmarks/cache_policy.py and its library (moeflux_mlx.benchmark.routing): the replay drives
+"""benchmarks/cache_policy.py and its library (benchmarks/lib/routing.py): the replay drives
 the package's own eviction policies and counts exactly, the reuse / recall / coverage figures
 are right on hand traces, traces survive a round trip through their files, and recording works
 on a model moeflux_mlx.load opens."""
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moeflux_mlx.benchmark import routing as R
+from benchmarks.lib import routing as R
 from moeflux_mlx.cache.policy import POLICIES, LRUPolicy, S3FIFOPolicy
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "cache_policy.py"

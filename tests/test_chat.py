@@ -14,7 +14,7 @@ import pytest
 import moeflux_mlx
 from moeflux_mlx import demo_model
 from moeflux_mlx.commands.chat import ChatSession
-from moeflux_mlx.testing import synth
+from tests.support import synth
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "chat.py"

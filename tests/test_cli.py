@@ -15,7 +15,7 @@ from moeflux_mlx import cli
 from moeflux_mlx.commands import common, compare
 from moeflux_mlx.format.checkpoint import PACKED_DIR
 from moeflux_mlx.format.convert import convert
-from moeflux_mlx.testing import synth
+from tests.support import synth
 
 REPO = Path(__file__).resolve().parents[1]
 STATS = re.compile(

@@ -19,7 +19,7 @@ import pytest
 from moeflux_mlx.format.checkpoint import PACKED_DIR
 from moeflux_mlx.format.convert import convert
 from moeflux_mlx.options import LoadOptions, OptionError, from_environment, parse_budget
-from moeflux_mlx.testing import synth
+from tests.support import synth
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 180
@@ -423,8 +423,8 @@ def test_bench_default_output_folder_no_overwrite_and_no_plot_said(models, tmp_p
     env = _env(tmp_path, PYTHONPATH=f"{blocked}{os.pathsep}{REPO}")
     cwd = tmp_path / "work"
     cwd.mkdir()
-    args = ["bench", models["packed"], "--no-stock", "--budgets", "1", "--io", "mmap"]
-    args += ["--prefetch", "off", "--prompt-tokens", "4", "--decode-tokens", "2"]
+    args = ["bench", models["packed"], "--no-stock", "--budgets", "1", "--expert-io", "mmap"]
+    args += ["--prompt-tokens", "4", "--decode-tokens", "2"]
     first = ok(run_cli(*args, env=env, cwd=cwd))
     second = ok(run_cli(*args, env=env, cwd=cwd))
     assert sorted(p.name for p in cwd.iterdir()) == ["moeflux-bench-results"]  # nothing else
@@ -441,10 +441,8 @@ def test_bench_default_output_folder_no_overwrite_and_no_plot_said(models, tmp_p
     [
         (["--budgets", "1,2"], "--budgets: 2 is not a fraction in [0, 1]"),
         (["--budgets", "half"], "--budgets: 'half' is not a number"),
-        (["--io", "mmap,disk"], "--io: 'disk': expected a list of mmap, pread, direct"),
-        (["--repeats", "0"], "--repeats: expected a whole number >= 1"),
+        (["--prompt-tokens", "0"], "--prompt-tokens: expected a whole number >= 1"),
         (["--decode-tokens", "0"], "--decode-tokens: expected a whole number >= 1"),
-        (["--set", "oops"], "--set wants KEY=VALUE"),
         (["/no/such/model"], "/no/such/model: no such directory"),
     ],
 )

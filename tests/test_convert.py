@@ -17,7 +17,7 @@ from moeflux_mlx.errors import CheckpointError
 from moeflux_mlx.format.checkpoint import EXPERT_KEY, packed_file, packed_layout, scan_checkpoint
 from moeflux_mlx.format.convert import ConvertError, convert, verify_conversion
 from moeflux_mlx.format.layout import ModelLayout
-from moeflux_mlx.testing import synth
+from tests.support import synth
 
 
 def _bytes(a: mx.array) -> np.ndarray:

@@ -21,7 +21,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from moeflux_mlx.testing import synth
+from tests.support import synth
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 20261122

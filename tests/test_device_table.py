@@ -503,7 +503,7 @@ def test_all_mode_looks_up_fully_cached_layers_without_misses(table_on_cpu, refe
 def test_benchmark_pairs_the_lookup_alone(table_on_cpu, reference, tiny_checkpoints):
     """The benchmark's paired rounds add the kernels with every expert looked up through the
     table, and the lookup's cost per layer from those rounds."""
-    from moeflux_mlx.benchmark import decode, report
+    from benchmarks.lib import decode, report
 
     packed, prompt, _, _ = reference
     src = tiny_checkpoints["qwen3_moe"][0]

@@ -32,8 +32,8 @@ from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.utils import load_model
 
 import moeflux_mlx
+from benchmarks.lib.distributed import free_ports, start_ranks
 from moeflux_mlx import cli
-from moeflux_mlx.benchmark.distributed import free_ports, start_ranks
 from moeflux_mlx.errors import CheckpointError, LayoutError, UnsupportedQuantizationError
 from moeflux_mlx.format.checkpoint import PACKED_DIR
 from moeflux_mlx.format.convert import convert
@@ -41,7 +41,7 @@ from moeflux_mlx.format.layout import ExpertLayout, Quantization, layer_file_nam
 from moeflux_mlx.io.store import read_runs
 from moeflux_mlx.model.experts import find_experts
 from moeflux_mlx.model.sharded import _split_of
-from moeflux_mlx.testing import synth
+from tests.support import synth
 
 BIN = Path(sys.executable).parent
 CLI = [sys.executable, "-m", "moeflux_mlx.cli"]

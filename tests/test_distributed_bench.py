@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from moeflux_mlx.benchmark.distributed import rank_env
-from moeflux_mlx.benchmark.report import machine_tag
+from benchmarks.lib.distributed import rank_env
+from moeflux_mlx.measure import machine_tag
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "distributed.py"

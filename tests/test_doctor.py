@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import re
 
+import mlx.core as mx
 import pytest
 
 from moeflux_mlx import cli
 from moeflux_mlx.cache import wired
 from moeflux_mlx.commands import doctor
 from moeflux_mlx.format.checkpoint import expert_layout
-from moeflux_mlx.testing import synth
+from tests.support import synth
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +51,20 @@ def test_doctor_without_model(capsys):
     assert "MODEL" in rows["model"]
 
 
-def test_doctor_backend_metal_on_cpu_reports_ops(capsys):
+def test_doctor_backend_metal_reports_metal_or_why_not(capsys):
+    """``--backend metal``: the Metal kernels where Metal is; elsewhere (a CPU build, a CUDA
+    GPU) the ops fallback and the reason, on every kind of host."""
     assert cli.main(["doctor", "--backend", "metal"]) == 0
-    rows = _rows(capsys.readouterr().out)
-    if rows["GPU backends"].startswith("none"):
-        assert rows["backend"].startswith("ops (fallback: metal kernels not available")
+    backend = _rows(capsys.readouterr().out)["backend"]
+    assert backend.endswith("(requested: metal)")
+    if mx.metal.is_available():
+        assert backend == "metal (requested: metal)"
+    elif mx.default_device() == mx.gpu:
+        assert backend.startswith("ops (fallback: metal backend not available on this device)")
+    else:
+        assert backend.startswith(
+            "ops (fallback: metal kernels not available: MLX's default device is the CPU)"
+        )
 
 
 def test_doctor_with_model_measures_and_forecasts(model, capsys):

@@ -13,9 +13,6 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-# the self-check's fixtures: verdicts in a temporary folder (autouse), fake kernels on the CPU
-from test_selfcheck import _isolated, fake_gpu, needs_cpu  # noqa: F401
-
 import moeflux_mlx
 from moeflux_mlx import cli
 from moeflux_mlx.commands import info
@@ -23,7 +20,10 @@ from moeflux_mlx.compute import kernels as K
 from moeflux_mlx.compute import selfcheck as S
 from moeflux_mlx.compute.backend import LayerChoice
 from moeflux_mlx.format.convert import convert
-from moeflux_mlx.testing import synth
+from tests.support import synth
+
+# the self-check's fixtures: verdicts in a temporary folder (autouse), fake kernels on the CPU
+from tests.test_selfcheck import _isolated, fake_gpu, needs_cpu  # noqa: F401
 
 # layer -> how its experts are quantized (the rest of the model: affine 4-bit, group 64)
 EXPERT_QUANT = {2: dict(bits=4, group_size=32, mode="mxfp4"), 3: dict(bits=8, group_size=64)}

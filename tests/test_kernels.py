@@ -589,7 +589,7 @@ def test_kernel_text_assembly(kind, variant):
         assert shared.count("MF_LD(") == 2 * K.load_source(f"{kind}_rows.h").count("MF_LD(") + 2
 
 
-def test_kernel_names():
+def test_kernel_names(monkeypatch):
     names = {
         K.kernel_name(k, d, v)
         for k, v in (
@@ -601,7 +601,17 @@ def test_kernel_names():
         for d in K.DIALECTS
     }
     assert len(names) == 8
-    assert K.kernel_name("glu", "cuda") == K.kernel_name("glu", "cuda")
+    glu = K.kernel_name("glu", "cuda")
+    assert re.fullmatch(r"moeflux_glu_[0-9a-f]{10}", glu)
+    assert re.fullmatch(
+        r"moeflux_combine_gated_[0-9a-f]{10}", K.kernel_name("combine", "cuda", "gated")
+    )
+    # the name follows the text: MLX's cache of compiled kernels (on disk, for CUDA) is keyed by
+    # it, so an edited kernel must never be served the old binary
+    real = K.kernel_text
+    monkeypatch.setattr(K, "kernel_text", lambda *a: (real(*a)[0], real(*a)[1] + "\n// edited"))
+    edited = K.kernel_name("glu", "cuda")
+    assert edited != glu and edited.startswith("moeflux_glu_")
     with pytest.raises(ValueError):
         K.kernel_text("glu", "vulkan")
 

@@ -20,8 +20,7 @@ LEVELS = [
     {"compute"},
     {"cuda"},
     {"model"},
-    {"testing"},
-    {"benchmark"},
+    {"measure"},
     {"commands"},
     {"cli", "__init__"},
 ]
@@ -142,13 +141,28 @@ def test_no_issue_numbers_in_the_tree():
     assert not hits, "\n".join(hits[:20])
 
 
-def test_the_front_page_and_benchmarks_stay_curated():
-    """README a front page (at most 160 lines), at most 8 scripts on top of benchmarks/, each
-    described in benchmarks/README.md, and at most 40 result files (the current figures)."""
-    assert len((ROOT / "README.md").read_text().splitlines()) <= 160
-    bench = ROOT / "benchmarks"
-    scripts = sorted(p.name for p in bench.iterdir() if p.suffix in (".py", ".sh"))
-    assert len(scripts) <= 8, scripts
-    readme = (bench / "README.md").read_text()
-    assert [s for s in scripts if f"## {s}" not in readme] == []
-    assert len(list((bench / "results").iterdir())) <= 40
+def test_every_module_is_the_products():
+    """The wheel holds only the product: every module is reached from the public API, the
+    command line, or a process the product starts (``python -m moeflux_mlx...``), never only
+    from the tests or the benchmarks; and the wheel's package list is the package's folders."""
+    graph = _graph()
+    started = {
+        m
+        for p in PACKAGE.rglob("*.py")
+        for m in re.findall(r'"-m",\s*"(moeflux_mlx[\w.]*)"', p.read_text())
+    }
+    seen, todo = set(), ["moeflux_mlx", "moeflux_mlx.cli", *started]
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        parts = m.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # its packages run first
+        todo += [n for n in graph.get(m, ()) if n in graph]
+    assert sorted(set(graph) - seen) == []
+    listed = re.search(r"packages = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.S)
+    folders = {
+        _module_name(init.parent / "__init__.py") for init in PACKAGE.rglob("__init__.py")
+    } | {"moeflux_mlx.metal_kernels", "moeflux_mlx.demo_model.checkpoint"}
+    assert set(re.findall(r'"([\w.]+)"', listed.group(1))) == folders

@@ -25,7 +25,7 @@ from moeflux_mlx.model.lookup_decoding import (
     lookup_generate_step,
     stream_lookup_generate,
 )
-from moeflux_mlx.testing import synth
+from tests.support import synth
 
 ON_GPU = mx.default_device() == mx.gpu
 N = 40

@@ -1,4 +1,4 @@
-"""The Metal kernels through clang's front end, on any machine (moeflux_mlx.compute.metal_frontend).
+"""The Metal kernels through clang's front end, on any machine (tests/support/metal_frontend.py).
 
 No Apple compiler runs here; clang (the ``libclang`` wheel, in the ``test`` extra) compiles, for
 every kernel variant, the exact source ``mx.fast.metal_kernel`` hands Metal's compiler, against a
@@ -18,7 +18,7 @@ import pytest
 
 from moeflux_mlx.compute import kernel_source
 from moeflux_mlx.compute import kernels as K
-from moeflux_mlx.compute import metal_frontend as F
+from tests.support import metal_frontend as F
 
 
 def _clang():

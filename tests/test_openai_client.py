@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from moeflux_mlx.format.convert import convert
-from moeflux_mlx.testing import synth
+from tests.support import synth
 
 openai = pytest.importorskip("openai")
 

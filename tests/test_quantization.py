@@ -22,7 +22,7 @@ import moeflux_mlx
 from moeflux_mlx.format.checkpoint import packed_layout, scan_checkpoint
 from moeflux_mlx.format.convert import convert
 from moeflux_mlx.format.layout import Quantization
-from moeflux_mlx.testing import synth
+from tests.support import synth
 
 PROMPT = [(11 * i + 5) % 500 + 3 for i in range(40)]  # 40 tokens x top-4: the sorted path
 N_TOKENS = 3

@@ -26,7 +26,7 @@ from moeflux_mlx.format.checkpoint import check_packed, packed_file, packed_layo
 from moeflux_mlx.format.convert import convert
 from moeflux_mlx.io.store import open_store, select_expert_io
 from moeflux_mlx.options import parse_budget
-from moeflux_mlx.testing import realscale
+from tests.support import realscale
 
 MODELS = sorted(realscale.REAL_MODELS)
 GiB = 1024**3

@@ -44,7 +44,7 @@ from moeflux_mlx.errors import (
     SafetensorsHeaderError,
     UnsupportedQuantizationError,
 )
-from moeflux_mlx.testing import synth
+from tests.support import synth
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [1, 5, 9, 33, 2, 7, 100, 200, 17, 3]

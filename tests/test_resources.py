@@ -28,7 +28,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import moeflux_mlx
-from moeflux_mlx.testing import synth
+from tests.support import synth
 
 ROOT = Path(__file__).resolve().parents[1]
 CYCLES = 1000

@@ -26,7 +26,7 @@ from moeflux_mlx.compute import kernels as K
 from moeflux_mlx.compute import selfcheck as S
 from moeflux_mlx.compute.ops import OpsBackend
 from moeflux_mlx.format.layout import Quantization
-from moeflux_mlx.testing import synth
+from tests.support import synth
 
 
 def _gpu_dialect():

@@ -29,7 +29,7 @@ from moeflux_mlx.commands.server import (
     lookup_stream_generate,
 )
 from moeflux_mlx.format.convert import convert
-from moeflux_mlx.testing import synth
+from tests.support import synth
 
 REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT = 60

@@ -22,7 +22,7 @@ import moeflux_mlx
 from moeflux_mlx.format.checkpoint import expert_layout
 from moeflux_mlx.io.store import select_expert_io
 from moeflux_mlx.model.switch import StreamingSwitchGLU
-from moeflux_mlx.testing import synth
+from tests.support import synth
 
 MAX_TOKENS = 64
 EXACT = dict(backend="ops")

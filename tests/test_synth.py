@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 from mlx_lm.utils import _get_classes
 
-from moeflux_mlx.testing import synth
+from tests.support import synth
 
 PROMPT_TOKENS = [5, 300, 42, 7, 400, 11, 260, 3, 301, 302]
 MESSAGES = [{"role": "user", "content": "Hello! How are you today?"}]

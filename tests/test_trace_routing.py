@@ -1,9 +1,10 @@
-"""Routing replayed from a trace (``benchmark.trace_routing``): the routers of a stock or a
+"""Routing replayed from a trace (``benchmarks/lib/trace_routing.py``): the routers of a stock or a
 streamed model pick exactly the traced experts, position after position, so the decode benchmark
 sees a trained model's I/O pattern at another model's expert sizes."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -13,11 +14,11 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.switch_layers import SwitchGLU
 
 import moeflux_mlx
-from moeflux_mlx.benchmark.report import summary_lines
-from moeflux_mlx.benchmark.routing import RoutingTrace
-from moeflux_mlx.benchmark.trace_routing import TraceRoutingError, drive_routing, rewind_routing
+from benchmarks.lib.report import summary_lines
+from benchmarks.lib.routing import RoutingTrace
+from benchmarks.lib.trace_routing import TraceRoutingError, drive_routing, rewind_routing
 from moeflux_mlx.format.checkpoint import expert_layout
-from moeflux_mlx.testing import synth
+from tests.support import synth
 
 EXPERTS, TOP_K, LAYERS = 16, 4, 2  # synth's tiny qwen3_moe
 
@@ -157,7 +158,7 @@ def test_a_trace_of_another_shape_is_refused(ckpt, trace, message):
         drive_routing(model, trace)
 
 
-def test_bench_refuses_prefetch_and_bad_files_in_one_line(ckpt, tmp_path):
+def test_decode_benchmark_refuses_prefetch_and_bad_files_in_one_line(ckpt, tmp_path):
     bad = tmp_path / "bad.npz"
     bad.write_bytes(b"not a trace")
     good = _trace().save(tmp_path / "t.npz")
@@ -168,9 +169,7 @@ def test_bench_refuses_prefetch_and_bad_files_in_one_line(ckpt, tmp_path):
         r = subprocess.run(
             [
                 sys.executable,
-                "-m",
-                "moeflux_mlx.cli",
-                "bench",
+                str(Path(__file__).resolve().parents[1] / "benchmarks" / "decode.py"),
                 str(ckpt),
                 "--routing-trace",
                 str(trace),

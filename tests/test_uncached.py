@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moeflux_mlx.benchmark import pagecache
+from benchmarks.lib import pagecache
 from moeflux_mlx.errors import ExpertReadError
+from moeflux_mlx.io import bandwidth, uncached
 from moeflux_mlx.io import store as st
-from moeflux_mlx.io import uncached
 from moeflux_mlx.io.uncached import ALIGN, aligned_empty, open_uncached
 
 pytestmark = pytest.mark.skipif(
@@ -147,7 +147,7 @@ def test_the_bound_of_a_direct_run_reads_uncached(tiny_checkpoints):
     pages at the ends of ranges read in place (experts of 6.75 pages: a row of the staging lies
     at the same offset within a page as its expert in the file for one pair in four) go through
     the cache; the pread store's reads cache every page."""
-    from moeflux_mlx.benchmark.pagecache import expert_files, read_bandwidth
+    from moeflux_mlx.io.bandwidth import expert_files, read_bandwidth
 
     _, packed = tiny_checkpoints["qwen3_moe"]
     files = expert_files(packed)
@@ -269,7 +269,7 @@ def test_a_small_call_from_the_page_cache_reads_on_fewer_threads(tiny_checkpoint
         if st._RWF_NOWAIT is not None:
             assert store.warm_threads == 4 and threads_of(store) == 4
             assert threads_of(never) == 8
-        pagecache.drop_page_cache(sorted(files))
+        bandwidth.drop_page_cache(sorted(files))
         if not any(_resident_pages(p).all() for p in files):  # a file system that drops pages
             assert threads_of(store) == 8
         assert threads_of(direct) == 8

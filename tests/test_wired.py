@@ -11,7 +11,7 @@ import pytest
 import moeflux_mlx
 from moeflux_mlx.cache import wired
 from moeflux_mlx.format.checkpoint import expert_layout
-from moeflux_mlx.testing import synth
+from tests.support import synth
 
 GB = 10**9
 

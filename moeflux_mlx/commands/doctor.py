@@ -32,7 +32,6 @@ import mlx.core as mx
 import psutil
 
 from .. import __version__
-from ..benchmark.pagecache import read_bandwidth
 from ..cache import wired
 from ..cache.budget import slots_per_layer
 from ..compute import kernels as K
@@ -41,6 +40,7 @@ from ..compute.backend import backend_report, select_backend
 from ..format.checkpoint import expert_layout, read_config
 from ..format.layout import ModelLayout
 from ..format.safetensors import index_directory
+from ..io.bandwidth import read_bandwidth
 from ..io.store import RAM_FRACTION, select_expert_io
 from ..model.load import load
 from ..options import DEFAULT_RAM_FRACTION, LoadOptions, parse_budget
@@ -129,7 +129,7 @@ def measure_decode(
     decoding (``pread`` reads only: mapped pages cannot be dropped)."""
     from mlx_lm.generate import generate_step
 
-    from ..benchmark.pagecache import PageCacheDropper, expert_files
+    from ..io.bandwidth import PageCacheDropper, expert_files
 
     model, _ = load(path, cache_budget=budget, **options)
     rt = model.moeflux
@@ -165,7 +165,7 @@ def measure_decode(
 
 def disk_bandwidth(path: Path, reads: int = 256, threads: int = 8) -> Tuple[float, float]:
     """``(cold, warm)`` bytes/s of the store's reads of distinct whole experts
-    (``benchmark.pagecache.read_bandwidth``). Where the page cache cannot be dropped per file
+    (``io.bandwidth.read_bandwidth``). Where the page cache cannot be dropped per file
     (macOS has no ``posix_fadvise``), the cold pass reads with caching off (``F_NOCACHE``)."""
     if hasattr(os, "posix_fadvise"):
         return read_bandwidth(path, reads, threads)

@@ -17,7 +17,7 @@ PRELUDE = {"metal": "prelude_metal.h", "cuda": "prelude_cuda.cuh"}
 ENTRY = {"metal": "entry_metal.h", "cuda": "entry_cuda.cuh"}
 COMMON = "moe_common.h"
 # stand-ins for Metal's standard library and MLX's preamble: the front-end check of the Metal
-# dialect with clang (compute.metal_frontend), never handed to MLX
+# dialect with clang (tests/support/metal_frontend.py), never handed to MLX
 METAL_SHIMS = ("metal_stdlib_shim.h", "mlx_preamble_shim.h")
 SOURCE_FILES = (
     COMMON,

@@ -357,7 +357,7 @@ def launch_shape(
     config: Optional[dict] = None,
 ) -> Tuple[list, Tuple[int, int, int], Tuple[int, int, int]]:
     """``(template, grid, threadgroup)`` of one glu/down launch, checked: what ``_prepare`` hands
-    to the kernel, and what ``compute.metal_frontend`` rebuilds the Metal source from.
+    to the kernel, and what ``tests/support/metal_frontend.py`` rebuilds the Metal source from.
 
     Raises:
         ValueError: a shape, dtype or launch configuration the kernels do not cover."""

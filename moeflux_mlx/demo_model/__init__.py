@@ -4,7 +4,7 @@ It is an ordinary mlx-lm checkpoint (53.1 M parameters, 8 MoE layers of 64 exper
 affine experts, 30 MB) trained on English text from Debian packages by ``training/train.py``;
 ``docs/training.md`` says how, and ``training/SOURCES.md`` lists the texts and their licenses.
 Its routing is that of a trained model, which is what the cache and prefetch are designed
-against; the random-weight builder in ``testing.synth`` stays for architecture coverage.
+against; the random-weight builder in ``tests/support/synth.py`` stays for architecture coverage.
 """
 
 from __future__ import annotations

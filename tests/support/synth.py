@@ -41,7 +41,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
-from .architectures import MOE_ARCHITECTURES, SEPARATE_EXPERTS, tiny_config
+from tests.support.architectures import MOE_ARCHITECTURES, SEPARATE_EXPERTS, tiny_config
 
 logger = logging.getLogger(__name__)
 

@@ -44,8 +44,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
-from . import kernels as K
-from .kernel_source import load_source
+from moeflux_mlx.compute import kernels as K
+from moeflux_mlx.compute.kernel_source import load_source
 
 # mlx/backend/common/metal_kernel.cpp
 MAX_CONSTANT_ARRAY_SIZE = 8  # inputs with fewer elements are passed in the constant space
@@ -726,7 +726,7 @@ def check(
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m moeflux_mlx.compute.metal_frontend [--quick] [--show LABEL]``: compile every
+    """``python -m tests.support.metal_frontend [--quick] [--show LABEL]``: compile every
     Metal kernel variant, print a line per failure and a summary."""
     import argparse
     import time

@@ -37,11 +37,11 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 
-from ..model.load import load
-from ..model.sharded import sharded_load
-from .decode import timed_greedy
-from .pagecache import PageCacheDropper, expert_files
-from .trace_routing import drive_routing, load_trace
+from benchmarks.lib.trace_routing import drive_routing, load_trace
+from moeflux_mlx.io.bandwidth import PageCacheDropper, expert_files
+from moeflux_mlx.measure import timed_greedy
+from moeflux_mlx.model.load import load
+from moeflux_mlx.model.sharded import sharded_load
 
 # what mlx.launch sets for a rank; a launch sets its own, never inherits them
 _LAUNCH_VARS = ("MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE", "NCCL_HOST_IP", "NCCL_PORT")
@@ -291,6 +291,15 @@ def worker_main(spec_path: str) -> int:
     return 0
 
 
+# the repository's root (benchmarks/lib/..), and what a job's process runs: worker_main, imported
+# from there whatever the process's working directory
+_ROOT = Path(__file__).resolve().parents[2]
+_WORKER = (
+    "import sys; sys.path.insert(0, sys.argv[1]); "
+    "from benchmarks.lib.distributed import worker_main; sys.exit(worker_main(sys.argv[2]))"
+)
+
+
 def launch_job(spec: dict, where: Path, ranks: int, timeout: float, gpus: int = 0) -> dict:
     """Run ``spec`` as a job: one process (``ranks`` 1) or ``ranks`` joined by
     ``spec["backend"]``, in a fresh folder ``where``; returns ``{"ranks": [each rank's results],
@@ -301,7 +310,7 @@ def launch_job(spec: dict, where: Path, ranks: int, timeout: float, gpus: int = 
         old.unlink()
     spec_path = where / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    argv = [sys.executable, "-m", "moeflux_mlx.benchmark.distributed", str(spec_path)]
+    argv = [sys.executable, "-c", _WORKER, str(_ROOT), str(spec_path)]
     logs = [open(where / f"log{r}.txt", "w") for r in range(ranks)]
     t0 = time.perf_counter()
     try:
@@ -346,7 +355,3 @@ def _wait_all(procs: Sequence[subprocess.Popen], timeout: float) -> List[Optiona
             p.kill()
             p.wait()
     return [None if k else p.returncode for p, k in zip(procs, killed)]
-
-
-if __name__ == "__main__":
-    sys.exit(worker_main(sys.argv[1]))

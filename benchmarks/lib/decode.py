@@ -1,43 +1,40 @@
-"""The decode benchmark: stock mlx-lm and moeflux-mlx side by side, in one process and one run.
+"""The decode benchmark's research runs: stock mlx-lm and moeflux-mlx side by side, in one
+process and one run, built on the product's runner (``moeflux_mlx.measure``).
 
-For each configuration (stock when the model fits; moeflux at several cache budgets and both
-I/O modes) it times prefill and greedy decode, and reads the streaming counters: experts and
-bytes read per token, hit rate, time per token in sync / I/O / upload. It also measures the cold
-read bandwidth of the disk holding the experts and the decode rate that bandwidth allows for the
-bytes actually missed per token (the I/O bound). ``report`` formats and writes the results.
+For each configuration (stock when the model fits; moeflux at several cache budgets, I/O modes,
+prefetch off/on, both slot lookups where the device-side table runs) it times prefill and greedy
+decode, and reads the streaming counters: experts and bytes read per token, hit rate, time per
+token in sync / I/O / upload. Budgets below 100% run cold (the page cache dropped all along, once,
+or held to a share of the experts); the disk's cold read bandwidth gives the decode rate it
+allows for the bytes actually missed per token (the I/O bound). ``report`` formats and writes
+the results.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Union
 
 import mlx.core as mx
-import psutil
-from mlx_lm.generate import generate_step
 
-from ..errors import DeviceWaitError
-from ..format.checkpoint import expert_layout, is_packed
-from ..model.load import load
-from ..model.runtime import use_table
-from ..options import LoadOptions
-from .pagecache import (
-    PageCacheDropper,
+from benchmarks.lib.pagecache import (
     RamBalloon,
     cached_bytes,
     can_hold_ram,
     cold_bandwidth,
     device_read_bytes,
-    drop_page_cache,
-    expert_files,
-    read_bandwidth,
 )
-from .report import CEILING, machine_name
+from benchmarks.lib.report import CEILING
+from moeflux_mlx import measure
+from moeflux_mlx.errors import DeviceWaitError
+from moeflux_mlx.format.checkpoint import expert_layout
+from moeflux_mlx.io.bandwidth import PageCacheDropper, drop_page_cache, expert_files, read_bandwidth
+from moeflux_mlx.model.load import load
+from moeflux_mlx.model.runtime import use_table
+from moeflux_mlx.options import LoadOptions
 
 log = logging.getLogger(__name__)
 
@@ -63,29 +60,15 @@ def check_page_cache(page_cache: Union[str, float]) -> None:
 
 
 @dataclass
-class DecodeRun:
-    name: str
-    io_mode: str = "-"
-    budget: str = "-"  # fraction of the experts held in the cache
+class DecodeRun(measure.DecodeRun):
+    """A research run: the product's fields, and what the cold runs and the slot lookups add."""
+
     lookup: str = (
         "-"  # decode slot lookup: "device" (GPU table, host only on misses), "host" (sync)
     )
     cold: bool = False
-    prompt_tokens: int = 0
-    prompt_tps: float = 0.0
-    decode_tokens: int = 0
-    decode_tps: float = 0.0
-    ratio_to_stock: Optional[float] = None
-    experts_read_per_token: float = 0.0
-    mb_read_per_token: float = 0.0
-    hit_rate: Optional[float] = None
     prefetch_issued_per_token: float = 0.0  # experts read ahead on a prediction
     prefetch_hits_per_token: float = 0.0  # misses a read-ahead had already served
-    sync_ms_per_token: float = (
-        0.0  # waiting for router indices: includes device compute before them
-    )
-    io_ms_per_token: float = 0.0
-    upload_ms_per_token: float = 0.0
     gpu_waits_per_token: float = 0.0  # device-side table: GPU waits for the miss server
     gpu_wait_ms_per_token: float = 0.0  # their time, the server's reads included
     other_ms_per_token: float = 0.0
@@ -103,8 +86,9 @@ class DecodeRun:
     disk_mb_per_token: Optional[float] = None
     # page_cache=SHARE: the most RAM the balloon held to leave the page cache that share
     ram_held_gb: Optional[float] = None
-    peak_memory_gb: float = 0.0
-    tokens: List[int] = field(default_factory=list, repr=False)
+
+    def label(self) -> str:
+        return f"{super().label()} {self.lookup}"
 
 
 def load_for_benchmark(path, device_table=None, **options):
@@ -118,70 +102,6 @@ def load_for_benchmark(path, device_table=None, **options):
             device_table=True if every else device_table, table_every_layer=every or None, **options
         ),
     )
-
-
-def timed_greedy(model, prompt: mx.array, decode_tokens: int, on_first=None):
-    """Greedy decode of ``decode_tokens`` tokens after the first, timed.
-
-    Args:
-        model: an mlx-lm model.
-        prompt: the prompt's token ids.
-        decode_tokens: tokens decoded after the first (the end of prefill).
-        on_first: called after the first token, before decode timing starts.
-
-    Returns:
-        ``(tokens, log-probs, prefill seconds, decode seconds)``: every token, the first
-        included, and each step's log-probs, left on the device (copied out by the caller
-        after the timed loop, if at all).
-    """
-    mx.synchronize()
-    t0 = time.perf_counter()
-    gen = generate_step(prompt, model, max_tokens=decode_tokens + 1)
-    tok, lp = next(gen)
-    tokens, logprobs = [int(tok)], [lp]
-    t1 = time.perf_counter()
-    if on_first:
-        on_first()
-    t2 = time.perf_counter()
-    for tok, lp in gen:
-        tokens.append(int(tok))
-        logprobs.append(lp)
-    mx.synchronize()
-    return tokens, logprobs, t1 - t0, time.perf_counter() - t2
-
-
-def _time_generation(model, prompt: mx.array, decode_tokens: int, on_first=None):
-    """Greedy decode; returns (prompt_tps, decode_tps, tokens, decode seconds) (see
-    ``timed_greedy``)."""
-    tokens, _, prefill_s, decode_s = timed_greedy(model, prompt, decode_tokens, on_first)
-    return prompt.size / prefill_s, (len(tokens) - 1) / decode_s, tokens, decode_s
-
-
-def _as_is(model) -> None:
-    """The models as loaded (``run_benchmark``'s ``prepare`` hook does nothing)."""
-
-
-def _run_stock(path, prompt, decode_tokens, prepare=_as_is) -> DecodeRun:
-    import mlx_lm
-
-    model, _ = mlx_lm.load(str(path))
-    prepare(model)
-    _time_generation(model, prompt, 4)  # warm-up: kernels of these shapes, allocator
-    mx.reset_peak_memory()
-    ptps, dtps, tokens, _ = _time_generation(model, prompt, decode_tokens)
-    run = DecodeRun(
-        "stock mlx-lm",
-        prompt_tokens=prompt.size,
-        prompt_tps=ptps,
-        decode_tokens=len(tokens) - 1,
-        decode_tps=dtps,
-        peak_memory_gb=mx.get_peak_memory() / 1e9,
-        tokens=tokens,
-    )
-    del model
-    gc.collect()
-    mx.clear_cache()
-    return run
 
 
 class _DiskReads:
@@ -199,6 +119,91 @@ class _DiskReads:
         return None if now is None or self.first is None else now - self.first
 
 
+class ColdTiming(measure.Timing):
+    """The research runs' hooks around a timed decode: a cold run (``cold``) drops the expert
+    files from the page cache before the prompt and, by ``page_cache``, keeps dropping them
+    throughout (``dropped``: pread and direct; mapped pages cannot be dropped, so mmap runs are
+    cold only at their start), lets the page cache keep what RAM lets it keep (``kept``), or
+    holds all of RAM but that share of the experts' bytes around it (a float). It measures the
+    disk's cold rate right before and after (the I/O bound's), what the disk read, and what
+    the page cache held at the end; ``finish`` adds those, and the lookups', prefetch's and the
+    device table's counters, to the run."""
+
+    def __init__(self, model, path: Path, cold: bool, bandwidth, page_cache, prefetch: bool):
+        self.rt, self.path, self.cold = model.moeflux, Path(path), cold
+        self.bandwidth, self.page_cache, self.prefetch = bandwidth, page_cache, prefetch
+        self.files = expert_files(path)
+        self.total = expert_layout(path).total_expert_bytes
+        self.around: List[float] = []
+        self.disk = _DiskReads(self.files[0]) if cold else None
+        self.held: Optional[int] = None
+        self.disk_bytes: Optional[int] = None
+        self.ram: Optional[RamBalloon] = None
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self):
+        if self.cold and self.bandwidth:
+            self.around = [cold_bandwidth(self.path)]
+        # unwound in reverse: the dropper stops, then what the page cache held and what the disk
+        # read are counted, while the balloon still holds RAM, then the balloon goes
+        with contextlib.ExitStack() as stack:
+            if self.cold and not isinstance(self.page_cache, str):
+                self.ram = RamBalloon(int(self.page_cache * self.total))
+                stack.enter_context(self.ram)
+            if self.cold:
+                drop_page_cache(self.files)
+                stack.callback(self._count)
+            if self.cold and self.rt.store.io_mode != "mmap" and self.page_cache == "dropped":
+                stack.enter_context(PageCacheDropper(self.files))
+            self._stack = stack.pop_all()
+        return self
+
+    def start(self) -> None:
+        if self.disk is not None:
+            self.disk.start()
+
+    def __exit__(self, *exc):
+        stack, self._stack = self._stack, contextlib.ExitStack()
+        return stack.__exit__(*exc)
+
+    def _count(self) -> None:
+        self.held = cached_bytes(self.files)
+        self.disk_bytes = self.disk.since() if self.disk is not None else None
+
+    def finish(self, run: DecodeRun, model, decode_s: float) -> None:
+        rt = model.moeflux
+        t = rt.stats.total()
+        n = run.decode_tokens
+        table = rt.cache.name == "table"
+        run.lookup = (
+            "-" if t.calls == t.unsynced_calls and not table else ("device" if table else "host")
+        )
+        run.name += " +prefetch" if self.prefetch else ""
+        run.cold = self.cold
+        run.prefetch_issued_per_token = t.prefetch_issued / n
+        run.prefetch_hits_per_token = t.prefetch_hits / n
+        run.gpu_waits_per_token = t.gpu_waits / n
+        run.gpu_wait_ms_per_token = 1e3 * t.gpu_wait_s / n
+        # the device table's reads happen inside the GPU's waits
+        run.other_ms_per_token = (
+            1e3 * (decode_s - t.sync_s - max(t.io_s, t.gpu_wait_s) - t.upload_s) / n
+        )
+        run.page_cache_mb = None if self.held is None else self.held / 1e6
+        run.ram_held_gb = None if self.ram is None else self.ram.held_bytes / 1e9
+        run.disk_mb_per_token = None if self.disk_bytes is None else self.disk_bytes / n / 1e6
+        bandwidth = self.bandwidth
+        if self.around:
+            self.around.append(cold_bandwidth(self.path))
+            bandwidth = sum(self.around) / len(self.around)
+            run.cold_gb_s = bandwidth / 1e9
+            run.cold_gb_s_before_after = [b / 1e9 for b in self.around]
+        # the bound is the disk's: with the page cache kept, what the disk itself read
+        from_disk = t.bytes_read if self.page_cache == "dropped" else self.disk_bytes
+        if from_disk and bandwidth:
+            run.io_bound_tps = bandwidth / (from_disk / n)
+            run.fraction_of_io_bound = run.decode_tps / run.io_bound_tps
+
+
 def _run_moeflux(
     path,
     prompt,
@@ -210,111 +215,22 @@ def _run_moeflux(
     backend=None,
     prefetch=False,
     device_table=None,
-    prepare=_as_is,
+    prepare=measure.as_is,
     page_cache="dropped",
 ) -> DecodeRun:
-    total = expert_layout(path).total_expert_bytes
-    budget = "all" if budget_fraction >= 1 else int(budget_fraction * total)
     model, _ = load_for_benchmark(
         path,
         device_table,
         expert_io=io_mode,
-        cache_budget=budget,
+        cache_budget=measure.cache_budget(path, budget_fraction),
         backend=backend,
         prefetch=prefetch,
     )
     prepare(model)
-    rt = model.moeflux
-    try:
-        _time_generation(model, prompt, 4)  # warm-up: kernels of these shapes, allocator, fills
-        files = expert_files(path)
-        around = [cold_bandwidth(path)] if cold and bandwidth else []
-        # pread + cold: keep dropping the page cache while decoding, as if the experts were many
-        # times RAM (mapped pages cannot be dropped: mmap runs are cold only at their start);
-        # "kept": cold at the start only, then the page cache keeps what RAM lets it keep; a
-        # share: the same, with all of RAM held but that share of the experts' bytes
-        dropping = (
-            PageCacheDropper(files)
-            if cold and rt.store.io_mode != "mmap" and page_cache == "dropped"
-            else contextlib.nullcontext()
-        )
-        ram = (
-            RamBalloon(int(page_cache * total))
-            if cold and not isinstance(page_cache, str)
-            else contextlib.nullcontext()
-        )
-        with ram:  # held from before the drop to after the count of what the page cache held
-            if cold:
-                drop_page_cache(files)
-            mx.reset_peak_memory()
-            rt.reset_stats()
-            disk = _DiskReads(files[0]) if cold else None
-
-            def on_first():  # the timed decode starts: its counters and the disk's from zero
-                rt.reset_stats()
-                if disk is not None:
-                    disk.start()
-
-            with dropping:
-                ptps, dtps, tokens, decode_s = _time_generation(
-                    model, prompt, decode_tokens, on_first=on_first
-                )
-            rt.stats_dict()  # counts what the miss server read, if any
-            held = cached_bytes(files) if cold else None
-            disk_bytes = disk.since() if disk else None
-        if around:
-            around.append(cold_bandwidth(path))
-            bandwidth = sum(around) / len(around)
-        t = rt.stats.total()
-        n = max(len(tokens) - 1, 1)
-        table = rt.cache.name == "table"
-        lookup = (
-            "-" if t.calls == t.unsynced_calls and not table else ("device" if table else "host")
-        )
-        run = DecodeRun(
-            f"moeflux {rt.backend.name}" + (" +prefetch" if prefetch else ""),
-            io_mode=rt.store.io_mode,
-            budget=f"{budget_fraction:.0%}",
-            lookup=lookup,
-            cold=cold,
-            prompt_tokens=prompt.size,
-            prompt_tps=ptps,
-            decode_tokens=n,
-            decode_tps=dtps,
-            experts_read_per_token=t.experts_read / n,
-            mb_read_per_token=t.bytes_read / n / 1e6,
-            hit_rate=rt.stats.hit_rate if t.experts_routed else None,
-            prefetch_issued_per_token=t.prefetch_issued / n,
-            prefetch_hits_per_token=t.prefetch_hits / n,
-            sync_ms_per_token=1e3 * t.sync_s / n,
-            io_ms_per_token=1e3 * t.io_s / n,
-            upload_ms_per_token=1e3 * t.upload_s / n,
-            gpu_waits_per_token=t.gpu_waits / n,
-            gpu_wait_ms_per_token=1e3 * t.gpu_wait_s / n,
-            # the device table's reads happen inside the GPU's waits
-            other_ms_per_token=1e3
-            * (decode_s - t.sync_s - max(t.io_s, t.gpu_wait_s) - t.upload_s)
-            / n,
-            page_cache_mb=None if held is None else held / 1e6,
-            ram_held_gb=ram.held_bytes / 1e9 if isinstance(ram, RamBalloon) else None,
-            disk_mb_per_token=None if disk_bytes is None else disk_bytes / n / 1e6,
-            peak_memory_gb=mx.get_peak_memory() / 1e9,
-            tokens=tokens,
-        )
-        if around:
-            run.cold_gb_s = bandwidth / 1e9
-            run.cold_gb_s_before_after = [b / 1e9 for b in around]
-        # the bound is the disk's: with the page cache kept, what the disk itself read
-        from_disk = t.bytes_read if page_cache == "dropped" else disk_bytes
-        if from_disk and bandwidth:
-            run.io_bound_tps = bandwidth / (from_disk / n)
-            run.fraction_of_io_bound = dtps / run.io_bound_tps
-        return run
-    finally:
-        rt.close()
-        del model
-        gc.collect()
-        mx.clear_cache()
+    timing = ColdTiming(model, path, cold, bandwidth, page_cache, prefetch)
+    return measure.run_moeflux(
+        model, prompt, decode_tokens, budget_fraction, run_type=DecodeRun, timing=timing
+    )
 
 
 def _moe_layers(path: Path) -> int:
@@ -359,7 +275,7 @@ def _paired_resident(
     backends,
     n,
     table: bool = False,
-    prepare=_as_is,
+    prepare=measure.as_is,
 ) -> dict:
     """Stock mlx-lm and moeflux with every expert resident (one model per backend), all loaded
     at once and decoding in turn, ``n`` rounds: decode tok/s of each, and per backend the median
@@ -372,7 +288,7 @@ def _paired_resident(
 
     import mlx_lm
 
-    models = {"stock mlx-lm": mlx_lm.load(str(stock_path))[0]}
+    models = {measure.STOCK: mlx_lm.load(str(stock_path))[0]}
     try:
         for b in backends:
             m, _ = load(path, expert_io=io_mode, cache_budget="all", backend=b)
@@ -396,19 +312,18 @@ def _paired_resident(
         models[CEILING] = m
         for m in models.values():
             prepare(m)
-            _time_generation(m, prompt, 4)  # warm-up: kernels of these shapes, allocator, fills
+            measure.time_generation(m, prompt, measure.WARM_UP_TOKENS)  # kernels, allocator, fills
         tps = {k: [] for k in models}
         for _ in range(n):
             for k, m in models.items():
-                tps[k].append(_time_generation(m, prompt, decode_tokens)[1])
+                tps[k].append(measure.time_generation(m, prompt, decode_tokens)[1])
     finally:
         for m in models.values():
             if hasattr(m, "moeflux"):
                 m.moeflux.close()
         del models
-        gc.collect()
-        mx.clear_cache()
-    stock = tps.pop("stock mlx-lm")
+        measure._release()
+    stock = tps.pop(measure.STOCK)
     out = {
         "rounds": n,
         "stock_tps": stock,
@@ -433,12 +348,6 @@ def paired_backends(backend: Optional[str]) -> tuple:
     return ("ops", "auto") if mx.default_device() == mx.gpu else ("auto",)
 
 
-def fits_for_stock(path: Path) -> bool:
-    weights = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
-    weights += sum(f.stat().st_size for f in expert_files(path)) if is_packed(path) else 0
-    return weights < 0.8 * psutil.virtual_memory().available
-
-
 def run_benchmark(
     path,
     *,
@@ -453,7 +362,7 @@ def run_benchmark(
     prefetch=(False,),
     seed=0,
     repeats=1,
-    prepare=_as_is,
+    prepare=measure.as_is,
     page_cache="dropped",
     lookup="both",
 ) -> dict:
@@ -474,23 +383,14 @@ def run_benchmark(
     with ``both`` slot lookups, only the ``device``'s or only the ``host``'s."""
     check_page_cache(page_cache)
     path = Path(path)
-    prepare = prepare or _as_is
-    mx.random.seed(seed)
-    if prompt is None:  # random ids: a random-weight model has no text to be given
-        prompt = mx.random.randint(0, 256, (prompt_tokens,)).astype(mx.uint32)
-    else:
-        prompt = mx.array(list(prompt)[:prompt_tokens], dtype=mx.uint32)
+    prepare = prepare or measure.as_is
+    prompt = measure.make_prompt(prompt_tokens, prompt, seed)
     warm_bandwidth = read_bandwidth(path)[1]
     bandwidth = cold_bandwidth(path)
     runs, failures = [], []
     stock_path = Path(stock_path or path)
-    if stock and not is_packed(stock_path) and fits_for_stock(stock_path):
-        runs.append(_run_stock(stock_path, prompt, decode_tokens, prepare))
-    elif stock:
-        log.warning(
-            "stock mlx-lm skipped: %s is a converted directory or does not fit in memory",
-            stock_path,
-        )
+    if stock and measure.can_run_stock(stock_path):
+        runs.append(measure.run_stock(stock_path, prompt, decode_tokens, prepare, DecodeRun))
     # budgets below 100% run with both slot lookups where the device-side table is available
     lookups = (False, True) if use_table(None) else (None,)
     if len(lookups) == 2 and lookup != "both":
@@ -526,10 +426,7 @@ def run_benchmark(
                             e,
                         )
                         failures.append(f"{io_mode} {frac:.0%} device table: {e}")
-    ref = runs[0] if runs and runs[0].name.startswith("stock") else None
-    for r in runs:
-        if ref is not None:
-            r.ratio_to_stock = r.decode_tps / ref.decode_tps
+    ref = runs[0] if runs and runs[0].name == measure.STOCK else None
     paired = (
         _paired_resident(
             path,
@@ -546,23 +443,15 @@ def run_benchmark(
         else None
     )
     layers = _moe_layers(path)
-    return {
-        "sync_overhead_ms_per_layer": sync_overhead(runs, layers),
-        "device_lookup_overhead_ms_per_layer": sync_overhead(runs, layers, "device"),
-        "device_lookup_only_ms_per_layer": sync_overhead(runs, layers, "device", "100%"),
-        "paired_resident": paired,
-        "failures": failures,
-        "model": str(path),
-        "machine": machine_name(),
-        "mlx": mx.__version__,
-        "device": str(mx.default_device()),
-        "cold_read_gb_s": bandwidth / 1e9,
-        "page_cache_read_gb_s": warm_bandwidth / 1e9,
-        "page_cache": page_cache,
-        "tokens_identical_to_stock": None
-        if ref is None
-        else {
-            f"{r.name} {r.io_mode} {r.budget} {r.lookup}": r.tokens == ref.tokens for r in runs[1:]
-        },
-        "runs": [{k: v for k, v in asdict(r).items() if k != "tokens"} for r in runs],
-    }
+    return measure.result_dict(
+        path,
+        runs,
+        sync_overhead_ms_per_layer=sync_overhead(runs, layers),
+        device_lookup_overhead_ms_per_layer=sync_overhead(runs, layers, "device"),
+        device_lookup_only_ms_per_layer=sync_overhead(runs, layers, "device", "100%"),
+        paired_resident=paired,
+        failures=failures,
+        cold_read_gb_s=bandwidth / 1e9,
+        page_cache_read_gb_s=warm_bandwidth / 1e9,
+        page_cache=page_cache,
+    )

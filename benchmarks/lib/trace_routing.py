@@ -28,10 +28,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from ..errors import MoefluxError
-from ..model.experts import find_experts, find_router
-from ..model.switch import StreamingSwitchGLU
-from .routing import RoutingTrace
+from benchmarks.lib.routing import RoutingTrace
+from moeflux_mlx.errors import MoefluxError
+from moeflux_mlx.model.experts import find_experts, find_router
+from moeflux_mlx.model.switch import StreamingSwitchGLU
 
 # what a report says of a run whose routing was replayed
 REPLAYED_ROUTING = (

@@ -32,10 +32,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 
-from ..cache.policy import POLICIES, DecayPolicy, EvictionPolicy, LRUPolicy
-from ..model.load import load
-from ..model.predict import RidgeRouterMap, next_gates, router_scores, top_experts
-from ..model.switch import StreamingSwitchGLU
+from moeflux_mlx.cache.policy import POLICIES, DecayPolicy, EvictionPolicy, LRUPolicy
+from moeflux_mlx.model.load import load
+from moeflux_mlx.model.predict import RidgeRouterMap, next_gates, router_scores, top_experts
+from moeflux_mlx.model.switch import StreamingSwitchGLU
 
 TRACE_VERSION = 1
 PREDICTORS = ("gate", "ridge")  # the stored predictions, in ``RoutingTrace.predicted``

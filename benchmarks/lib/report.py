@@ -1,61 +1,15 @@
-"""The decode benchmark's results: the machine's name, a table, summary lines, and the files
-(JSON, markdown, a PNG when matplotlib is installed)."""
+"""The decode benchmark's research results: more columns, summary lines and notes on the
+product's report (``moeflux_mlx.measure``: the table, the JSON, markdown and PNG files)."""
 
 from __future__ import annotations
 
-import json
-import logging
-import platform
-import re
 from pathlib import Path
-from typing import List, Optional
+from typing import List
 
-import mlx.core as mx
-import psutil
-
-from .trace_routing import REPLAYED_ROUTING
+from benchmarks.lib.trace_routing import REPLAYED_ROUTING
+from moeflux_mlx import measure
 
 CEILING = "moeflux experts skipped (ceiling)"
-
-log = logging.getLogger(__name__)
-
-
-def machine_name() -> str:
-    gpu = ""
-    if hasattr(mx, "cuda") and mx.cuda.is_available():
-        try:
-            import subprocess
-
-            names = subprocess.run(
-                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=10,
-            ).stdout.splitlines()
-            names = [n.strip() for n in names if n.strip()]
-        except (OSError, subprocess.SubprocessError):
-            names = []
-        # one line per GPU: "2 x NVIDIA H100 80GB HBM3" on a machine of two
-        gpu = (
-            (names[0] if len(names) == 1 else f"{len(names)} x {names[0]}") if names else "CUDA GPU"
-        )
-    cpu = f"{platform.machine()} {psutil.cpu_count()} cores {psutil.virtual_memory().total / 2**30:.0f} GiB"
-    return f"{gpu}, {cpu}" if gpu else cpu
-
-
-def machine_tag(machine: str) -> str:
-    """A short name for result files: ``h100`` for "NVIDIA H100 80GB HBM3, ...", ``h100x2`` for
-    "2 x NVIDIA H100 80GB HBM3, ...", ``cpu2``."""
-    gpu = machine.split(",")[0] if "," in machine else ""
-    count = re.match(r"(\d+) x (.*)", gpu)
-    if count:
-        return f"{machine_tag(count.group(2) + ',')}x{count.group(1)}"
-    words = [
-        w
-        for w in gpu.split()
-        if w.upper() not in ("NVIDIA", "TESLA", "GEFORCE") and not w.upper().endswith("GB")
-    ]
-    return words[0].lower() if words else f"cpu{psutil.cpu_count()}"
 
 
 COLUMNS = [
@@ -87,12 +41,7 @@ COLUMNS = [
 
 
 def format_table(result: dict) -> str:
-    head = "| " + " | ".join(c[1] for c in COLUMNS) + " |"
-    lines = [head, "|" + "---|" * len(COLUMNS)]
-    for r in result["runs"]:
-        cells = [("-" if r.get(k) is None else f.format(r[k])) for k, _, f in COLUMNS]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return measure.format_table(result, COLUMNS)
 
 
 def summary_lines(result: dict) -> List[str]:
@@ -178,43 +127,10 @@ def cold_runs(page_cache) -> str:
     )
 
 
-RESULT_SUFFIXES = (".json", ".md", ".png")
-
-
-def free_stem(out_dir: Path, stem: str) -> str:
-    """``stem``, or ``stem-2``, ``stem-3``, ...: the first for which no result file exists in
-    ``out_dir``, so that a result is never overwritten (two runs on one day)."""
-    candidate, n = stem, 1
-    while any((Path(out_dir) / f"{candidate}{suffix}").exists() for suffix in RESULT_SUFFIXES):
-        n += 1
-        candidate = f"{stem}-{n}"
-    return candidate
-
-
-def plot_unavailable() -> Optional[str]:
-    """Why ``write_results`` will not draw the PNG, None when it will."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return (
-            "matplotlib is not installed (pip install matplotlib, or the package's [bench] extra)"
-        )
-    return None
-
-
 def write_results(result: dict, out_dir: Path, stem: str) -> List[Path]:
-    """Write ``STEM.json``, ``STEM.md`` and, with matplotlib, ``STEM.png`` into ``out_dir``;
-    ``STEM`` gets a suffix (``-2``, ...) when a result of that name exists: nothing is
-    overwritten. Returns the files written."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = free_stem(out_dir, stem)
-    written = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
-    written[0].write_text(json.dumps(result, indent=1))
-    md = [
-        f"# Decode benchmark: {Path(result['model']).name}",
-        "",
-        f"Machine: {result['machine']}; MLX {result['mlx']} ({result['device']}).",
+    """``measure.write_results`` with the research columns, the disk's rates, how the cold runs
+    were cold, and the summary lines."""
+    notes = [
         "Up to 256 distinct experts at random, read by the store (8 threads) one call per layer "
         "for up to 32 of them, the faster of through the page cache and uncached: cold "
         f"{result['cold_read_gb_s']:.2f} GB/s; from the page cache "
@@ -222,46 +138,7 @@ def write_results(result: dict, out_dir: Path, stem: str) -> List[Path]:
         "run uses its own cold figure (cold GB/s: the mean of the same measurement right before "
         "and right after its timed decode); other runs use this one.",
         cold_runs(result.get("page_cache", "dropped")),
-        "",
-        format_table(result),
-        "",
     ]
-    md += [line if line.endswith(".") else line + "." for line in summary_lines(result)]
-    if result["tokens_identical_to_stock"] is not None:
-        same = result["tokens_identical_to_stock"]
-        md.append(
-            f"Greedy tokens identical to stock mlx-lm: {sum(same.values())}/{len(same)} runs."
-        )
-    written[1].write_text("\n".join(md) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.info("no plot: %s", plot_unavailable())
-        return written
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for io_mode in sorted({r["io_mode"] for r in result["runs"] if r["io_mode"] != "-"}):
-        rs = [r for r in result["runs"] if r["io_mode"] == io_mode]
-        for pf in (False, True):
-            sel = [r for r in rs if r["name"].endswith("+prefetch") == pf or r["budget"] == "100%"]
-            if pf and len(sel) <= 1:
-                continue
-            ax.plot(
-                [float(r["budget"].rstrip("%")) for r in sel],
-                [r["decode_tps"] for r in sel],
-                marker="o",
-                label=f"moeflux {io_mode}" + (" +prefetch" if pf else ""),
-            )
-    stock = [r for r in result["runs"] if r["name"].startswith("stock")]
-    if stock:
-        ax.axhline(stock[0]["decode_tps"], color="gray", linestyle="--", label="stock mlx-lm")
-    ax.set_xlabel("expert cache budget (% of experts)")
-    ax.set_ylabel("decode tok/s")
-    ax.set_title(result["machine"], fontsize=8)
-    ax.legend()
-    fig.tight_layout()
-    written.append(out_dir / f"{stem}.png")
-    fig.savefig(written[-1], dpi=120)
-    return written
+    return measure.write_results(
+        result, out_dir, stem, columns=COLUMNS, notes=notes, summary=summary_lines(result)
+    )

@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from .synth import _quantize, build_tokenizer
+from tests.support.synth import _quantize, build_tokenizer
 
 SHARD_BYTES = 5 * 1024**3  # mlx-lm's MAX_FILE_SIZE_GB
 SAFETENSORS_DTYPES = {

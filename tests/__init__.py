@@ -1,0 +1,1 @@
+"""The tests of moeflux-mlx; ``tests.support`` holds what they and the benchmarks build."""
