@@ -9,16 +9,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import moeflux_mlx
-from moeflux_mlx.cache.policy import (
-    POLICIES,
-    DecayPolicy,
-    LFUDAPolicy,
-    LFUPolicy,
-    LogisticPolicy,
-    LRUPolicy,
-    S3FIFOPolicy,
-    TransitionPolicy,
-)
+from moeflux_mlx.cache.policy import POLICIES, DecayPolicy, LRUPolicy, TransitionPolicy
 from moeflux_mlx.cuda.miss_server import within_slots
 from moeflux_mlx.format.checkpoint import expert_layout
 from moeflux_mlx.options import EVICTIONS, LoadOptions
@@ -39,12 +30,16 @@ def _run(policy_class, trace, n_slots, num_experts=8):
     return p, misses
 
 
+# the policies that count uses: the two a user may not choose but ``transition`` is built on
+LEARNING = {"decay": DecayPolicy, "transition": TransitionPolicy}
+
+
 def test_the_option_names_every_policy():
-    assert set(EVICTIONS) == set(POLICIES)
+    assert set(EVICTIONS) == set(POLICIES) == {"transition", "lru"}
     assert LoadOptions().eviction == "transition"
 
 
-@pytest.mark.parametrize("policy", [LFUPolicy, DecayPolicy, LFUDAPolicy])
+@pytest.mark.parametrize("policy", [DecayPolicy, TransitionPolicy])
 def test_uses_the_gpu_made_count_once_and_never_for_another_occupant(policy):
     """With the device-side table the GPU records a slot's last use (``device_last``) for calls
     the host never sees; an admission counts each such slot once, but not a use the host itself
@@ -69,22 +64,15 @@ def test_uses_the_gpu_made_count_once_and_never_for_another_occupant(policy):
     assert p.count[3] == count3
 
 
-def test_lru_and_lfu_differ_where_frequency_counts():
-    # expert 0 is used often early; then 1, 2, 3 arrive: LRU evicts 0, LFU keeps it
+def test_lru_and_transition_differ_where_frequency_counts():
+    # expert 0 is used often early; then 1, 2, 3 arrive: LRU evicts 0, transition's decayed
+    # counts keep it
     trace = [[0], [0], [0], [1], [2], [3]]
-    _, lru = _run(LRUPolicy, trace, n_slots=2)
-    p, lfu = _run(LFUPolicy, trace, n_slots=2)
-    assert lru[-1] == [3] and lfu[-1] == [3]
-    assert p.slot_of[0] >= 0  # LFU kept the frequent one
-    assert _run(LRUPolicy, trace, 2)[0].slot_of[0] < 0  # LRU did not
-
-
-def test_lfuda_lets_old_fame_fade():
-    # 0 is famous early, then never used; LFU keeps it forever, LFUDA ages it out
-    trace = [[0]] * 5 + [[1], [2]] * 4
-    lfu, _ = _run(LFUPolicy, trace, n_slots=2)
-    lfuda, _ = _run(LFUDAPolicy, trace, n_slots=2)
-    assert lfu.slot_of[0] >= 0 and lfuda.slot_of[0] < 0
+    lru_policy, lru = _run(LRUPolicy, trace, n_slots=2)
+    p, transition = _run(TransitionPolicy, trace, n_slots=2)
+    assert lru[-1] == [3] and transition[-1] == [3]
+    assert p.slot_of[0] >= 0  # the frequent one stayed
+    assert lru_policy.slot_of[0] < 0  # LRU let it go
 
 
 def test_decay_forgets_with_its_half_life():
@@ -117,17 +105,6 @@ def test_transition_counts_pairs_with_their_half_life():
     assert p.pairs_at[0] == late and p.pairs_at[1] == 3
 
 
-def test_logistic_learns_the_next_call_and_the_one_after():
-    """Calls cycling 0, 1, 2, 3: after a call routing 0, the next-call model ranks 1 first and
-    the after-next model ranks 2 first (each learnt from its own call's lag)."""
-    p, _ = _run(LogisticPolicy, [[0], [1], [2], [3]] * 40, n_slots=4)
-    p_next = p.w_next[0] + p.b_next
-    p_after = p.w_after[0] + p.b_after
-    assert int(np.argmax(p_next)) == 1 and int(np.argmax(p_after)) == 2
-    assert p_next[1] > p_next[2] and p_after[2] > p_after[1]
-    assert (p_next[4:] < p.prior_logit).all()  # never routed: below the prior
-
-
 @pytest.mark.parametrize("eviction", sorted(POLICIES))
 def test_every_policy_keeps_decode_exact(tiny_checkpoints, eviction):
     src, packed = tiny_checkpoints["qwen3_moe"]
@@ -141,7 +118,7 @@ def test_every_policy_keeps_decode_exact(tiny_checkpoints, eviction):
     total = expert_layout(packed).total_expert_bytes
     model, _ = moeflux_mlx.load(packed, cache_budget=int(0.3 * total), eviction=eviction)
     with model.moeflux as rt:
-        assert rt.cache.policy_class is POLICIES[eviction]
+        assert rt.cache.slots.policy is POLICIES[eviction]
         assert greedy(model) == want
         assert 0 < rt.stats.hit_rate < 1
 
@@ -153,40 +130,6 @@ def test_a_call_never_evicts_its_own_hits(policy):
     trace = [[0]] * 6 + [[5]] + [[5, 6]]
     p, misses = _run(POLICIES[policy], trace, n_slots=2)
     assert misses[-1] == [6] and p.slot_of[5] >= 0 and p.slot_of[6] >= 0
-
-
-def test_s3fifo_a_scan_does_not_flush_the_experts_used_again():
-    # 0, 1, 2 are used in three calls, then eight experts once each (a scan), then 0, 1, 2 again
-    hot, scan = [[0, 1, 2]] * 3, [[e] for e in range(4, 12)]
-    trace = hot + scan + [[0, 1, 2]]
-    _, lru = _run(LRUPolicy, trace, n_slots=4, num_experts=16)
-    p, s3 = _run(S3FIFOPolicy, trace, n_slots=4, num_experts=16)
-    assert sum(map(len, lru)) == 3 + 8 + 3 and lru[-1] == [0, 1, 2]  # LRU lost them all
-    assert sum(map(len, s3)) == 3 + 8 and s3[-1] == []  # S3-FIFO kept them in its main queue
-    assert all(p.queue[p.slot_of[e]] == 2 for e in (0, 1, 2))
-    assert p.small_size == 1 and len(p.small) == 1 and len(p.main) == 3
-
-
-def test_s3fifo_an_expert_back_from_the_ghost_queue_goes_to_main():
-    # 5 enters the small queue, is dropped unused (to the ghost queue), then comes back
-    trace = [[0, 1]] * 3 + [[5]] + [[6]] + [[5]]
-    p, misses = _run(S3FIFOPolicy, trace, n_slots=3, num_experts=8)
-    assert misses[3:] == [[5], [6], [5]]
-    assert p.queue[p.slot_of[5]] == 2 and 5 not in p.ghost
-    assert p.slot_of[0] >= 0 and p.slot_of[1] >= 0  # the main queue's 0 and 1 stayed
-
-
-def test_s3fifo_release_frees_slots_in_either_queue():
-    # 0 and 1 reach the main queue (used again while in S), 2 stays in S
-    p, _ = _run(S3FIFOPolicy, [[0, 1]] * 2 + [[2, 3]] + [[4]], n_slots=4)
-    assert p.queue[p.slot_of[0]] == 2 and p.queue[p.slot_of[4]] == 1
-    freed = sorted(p.slot_of[[0, 4]].tolist())
-    p.release(np.array([0, 4]))
-    assert p.slot_of[0] < 0 and p.slot_of[4] < 0 and (p.queue > 0).sum() == 2
-    assert freed[0] not in p.main and freed[1] not in p.small
-    missing, victims = p.admit(np.array([5, 6]), 9)  # the freed slots, no eviction
-    p.assign(missing, victims, 9)
-    assert sorted(victims.tolist()) == freed and p.slot_of[1] >= 0
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
@@ -216,21 +159,6 @@ def no_hang():
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, old)
-
-
-def test_s3fifo_a_call_holding_all_of_main_takes_from_the_small_queue(no_hang):
-    # 20 slots (a small queue of 2) hold 0-19, all in the small queue. A pass uses 0-18 and
-    # misses 20: 0-18 move to the main queue (used again), which leaves 19 alone in the small
-    # queue, below its share, and the main queue all the call's. The small queue must give up 19
-    p, _ = _run(S3FIFOPolicy, [[e] for e in range(20)], n_slots=20, num_experts=40)
-    assert p.small_size == 2 and len(p.small) == 20 and not p.main
-    slot_19 = p.slot_of[19]
-    missing, victims = p.admit(np.array(list(range(19)) + [20]), 30)
-    assert missing.tolist() == [20] and victims.tolist() == [slot_19]
-    assert len(p.main) == 19 and not p.small
-    # a call beyond the slots (callers split those) is refused rather than left going around
-    with pytest.raises(RuntimeError, match="holds every slot"):
-        p.admit(np.arange(19, 40), 31)
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
@@ -304,20 +232,19 @@ def _markov_rows(n, num_experts=16, k=3, seed=0):
 _SLOT_STATE = ("slot_of", "expert_in", "last_used", "device_seen", "device_last", "clock", "now")
 
 
-@pytest.mark.parametrize("policy", ["lfu", "lfuda", "decay", "transition", "logistic"])
-def test_observe_learns_what_serving_the_calls_would_have_taught(policy, monkeypatch):
+@pytest.mark.parametrize("policy", sorted(LEARNING))
+def test_observe_learns_what_serving_the_calls_would_have_taught(policy):
     """``observe`` (a prefill's rows, never served) leaves a policy knowing what admitting those
     calls would have taught it, but the slots empty: from there both make the same choices on
     the calls that follow (the transition pairs and decay counts are summed at once, not row by
     row, so this checks the sums)."""
-    monkeypatch.setattr(LogisticPolicy, "observe_rows", 1000)  # every row, as the served ones
     rows = _markov_rows(120)
-    taught, served = POLICIES[policy](16, 5), POLICIES[policy](16, 5)
+    taught, served = LEARNING[policy](16, 5), LEARNING[policy](16, 5)
     taught.observe(rows[:80], 1)
     assert (taught.slot_of < 0).all()  # nothing admitted
     for tick, row in enumerate(rows[:80], start=1):
         served.assign(*served.admit(row, tick), tick)
-    fresh = POLICIES[policy](16, 5)
+    fresh = LEARNING[policy](16, 5)
     for name, value in vars(served).items():  # what it learnt, its slots left empty
         if name not in _SLOT_STATE:
             setattr(fresh, name, value)
@@ -328,24 +255,21 @@ def test_observe_learns_what_serving_the_calls_would_have_taught(policy, monkeyp
         fresh.assign(*want, tick)
 
 
-@pytest.mark.parametrize("policy", ["lfu", "decay", "transition", "logistic"])
-def test_observe_after_served_calls_decays_what_came_before(policy, monkeypatch):
+@pytest.mark.parametrize("policy", sorted(LEARNING))
+def test_observe_after_served_calls_decays_what_came_before(policy):
     """A policy that has served calls, then observes more: it learns what serving them would
     have taught (what it knew decayed to the observed ticks; the first observed call following
     none it saw), its slots left as the served calls left them."""
     import copy
 
-    monkeypatch.setattr(LogisticPolicy, "observe_rows", 1000)
     rows = _markov_rows(160, seed=1)
-    base = POLICIES[policy](16, 5)
+    base = LEARNING[policy](16, 5)
     for tick, row in enumerate(rows[:40], start=1):
         base.assign(*base.admit(row, tick), tick)
     taught, served = copy.deepcopy(base), copy.deepcopy(base)
     taught.observe(rows[40:100], 41)
     if hasattr(served, "previous"):
         served.previous = None  # the observed rows follow no call the policy saw
-    if hasattr(served, "before_previous"):
-        served.before_previous = None
     for tick, row in enumerate(rows[40:100], start=41):
         served.assign(*served.admit(row, tick), tick)
     for name, value in vars(taught).items():  # the served one's learning, the taught one's slots
@@ -358,9 +282,6 @@ def test_observe_after_served_calls_decays_what_came_before(policy, monkeypatch)
             assert p.previous.tolist() == rows[99].tolist()
         ratio = [p.pairs / np.maximum(p.calls, 1e-6)[:, None] for p in (taught, served)]
         np.testing.assert_allclose(*ratio, rtol=1e-5, atol=1e-6)
-    if hasattr(taught, "w_next"):
-        for name in ("w_next", "w_after", "b_next", "b_after"):
-            np.testing.assert_allclose(getattr(taught, name), getattr(served, name), 1e-5)
     for tick, row in enumerate(rows[100:], start=101):
         got, want = taught.admit(row, tick), served.admit(row, tick)
         assert [a.tolist() for a in got] == [a.tolist() for a in want], (policy, tick)
@@ -368,14 +289,9 @@ def test_observe_after_served_calls_decays_what_came_before(policy, monkeypatch)
         served.assign(*want, tick)
 
 
-def test_observe_teaches_lru_nothing_and_logistic_only_its_latest_rows():
+def test_observe_teaches_lru_nothing():
     rows = _markov_rows(100)
     lru = LRUPolicy(16, 5)
     before = {k: np.array(v, copy=True) for k, v in vars(lru).items() if isinstance(v, np.ndarray)}
     lru.observe(rows, 1)
     assert all(np.array_equal(before[k], getattr(lru, k)) for k in before)
-    tail, full = LogisticPolicy(16, 5), LogisticPolicy(16, 5)
-    tail.observe(rows, 1)  # its models learn from the latest observe_rows rows only
-    full.observe(rows[-LogisticPolicy.observe_rows :], 1)
-    assert np.array_equal(tail.w_next, full.w_next) and np.array_equal(tail.b_after, full.b_after)
-    assert tail.previous.tolist() == rows[-1].tolist()
