@@ -1,4 +1,4 @@
-"""The expert cache and prefetch keep output exact and do what their counters say."""
+"""The expert cache keeps output exact and does what its counters say."""
 
 import mlx.core as mx
 import mlx_lm
@@ -6,11 +6,11 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import moeflux_mlx
-from moeflux_mlx.cache.budget import BudgetCache
-from moeflux_mlx.cache.staging import StagingCache
-from moeflux_mlx.errors import ExpertReadError
+from moeflux_mlx.cache.expert_cache import ExpertCache
+from moeflux_mlx.errors import ExpertReadError, OptionError
 from moeflux_mlx.format.checkpoint import expert_layout
-from moeflux_mlx.options import parse_budget
+from moeflux_mlx.options import parse_budget, share_of_experts
+from tests.support.tuning import tuned
 
 
 def _greedy(model, prompt, n=40):
@@ -31,13 +31,16 @@ def test_parse_budget():
     assert parse_budget("all", 123) == 123
     assert parse_budget("2GiB", 1) == 2 * 2**30 and parse_budget("2GB", 1) == 2 * 10**9
     assert parse_budget("512MiB", 1) == 512 * 2**20
-    assert parse_budget(0.25, 10) == int(0.25 * ram)
+    assert parse_budget("25% RAM", 10) == int(0.25 * ram)
+    assert parse_budget("50% experts", 10) == parse_budget(share_of_experts(0.5), 10) == 5
     assert parse_budget(1000, 10) == parse_budget("1000B", 10) == 1000
     assert parse_budget(None, 10) == 10
     with pytest.raises(ValueError, match="cache budget"):
         parse_budget("lots", 10)
     with pytest.raises(ValueError, match="negative"):
         parse_budget(-1, 10)
+    with pytest.raises(OptionError, match="names no base"):  # a share of what?
+        parse_budget(0.25, 10)
 
 
 @pytest.mark.parametrize("fraction", [0.25, 0.5])
@@ -45,55 +48,41 @@ def test_lru_cache_hits_and_bounded_slots(reference, fraction):
     packed, prompt, want, total = reference
     model, _ = moeflux_mlx.load(packed, cache_budget=int(fraction * total))
     with model.moeflux as rt:
-        assert isinstance(rt.cache, BudgetCache)
+        # on the CPU every partly cached layer takes one host sync into slots kept by transition
+        assert isinstance(rt.cache, ExpertCache) and rt.cache.table is None
+        assert rt.cache.name == "transition"
         assert rt.cache.capacity_bytes <= fraction * total
         assert _greedy(model, prompt) == want
         t = rt.stats.total()
         assert 0 < t.experts_missed < t.experts_routed
         assert t.bytes_read == t.experts_read * next(iter(rt.layout.layers.values())).blob_size
-        for layer, pool in rt.cache.pools.items():
-            assert pool.n_slots == rt.cache.n_slots[layer] < rt.layout.layers[layer].num_experts
+        slots = rt.cache.slots
+        assert slots.pools and not slots.resident
+        for layer, pool in slots.pools.items():
+            assert pool.n_slots == slots.n_slots[layer] < rt.layout.layers[layer].num_experts
 
 
 def test_zero_budget_stages_every_call(reference):
     packed, prompt, want, _ = reference
     model, _ = moeflux_mlx.load(packed, cache_budget=0)
     with model.moeflux as rt:
-        assert isinstance(rt.cache, StagingCache)
+        assert rt.cache.name == "staging" and rt.cache.capacity_bytes == 0
         assert _greedy(model, prompt) == want
+        assert not rt.cache.slots.pools and not rt.cache.slots.resident
         t = rt.stats.total()
         assert t.experts_missed == t.experts_routed == t.experts_read
 
 
 @pytest.mark.parametrize("budget", [0, 0.25])
-def test_prefetch_is_exact_and_serves_misses(reference, budget):
-    packed, prompt, want, total = reference
-    model, _ = moeflux_mlx.load(packed, cache_budget=int(budget * total), prefetch=True)
-    with model.moeflux as rt:
-        assert rt.cache.predictor.gates, "every MoE layer but the last has a next-layer router"
-        assert _greedy(model, prompt) == want
-        t = rt.stats.total()
-        assert t.prefetch_issued > 0
-        assert 0 < t.prefetch_hits <= min(t.prefetch_issued, t.experts_missed)
-
-
-def test_failed_prefetch_is_read_again_and_a_lasting_fault_reaches_the_caller(
-    reference, monkeypatch
+def test_a_lasting_read_fault_reaches_the_caller_and_the_model_reads_again(
+    reference, monkeypatch, budget
 ):
-    packed, prompt, want, _ = reference
-    model, _ = moeflux_mlx.load(packed, cache_budget=0, prefetch=True, expert_io="pread")
+    packed, prompt, want, total = reference
+    model, _ = moeflux_mlx.load(packed, cache_budget=int(budget * total), expert_io="pread")
     import moeflux_mlx.format.readers as readers
-    import moeflux_mlx.io.prefetch as pf
 
-    def broken(store, layer, e, buf):
-        raise ExpertReadError(f"layer {layer}: injected failure reading expert {e}")
-
-    with model.moeflux as rt:
-        monkeypatch.setattr(pf, "_read_one", broken)  # only the prefetches fail: exact anyway
-        assert _greedy(model, prompt) == want
-        t = rt.stats.total()
-        assert t.prefetch_failed > 0 and t.prefetch_hits == 0
-        real = readers.read_exact
+    with model.moeflux:
+        assert _greedy(model, prompt, 8) == want[:8]
 
         def eio(fd, start, into, what):
             raise ExpertReadError(f"{what}: injected lasting fault")
@@ -101,8 +90,7 @@ def test_failed_prefetch_is_read_again_and_a_lasting_fault_reaches_the_caller(
         monkeypatch.setattr(readers, "read_exact", eio)  # every read fails: the caller hears it
         with pytest.raises(ExpertReadError, match="injected lasting fault"):
             _greedy(model, prompt, 8)
-        monkeypatch.setattr(readers, "read_exact", real)
-        monkeypatch.undo()
+        monkeypatch.undo()  # the slots a failed read was meant for claim no expert: exact again
         assert _greedy(model, prompt) == want
 
 
@@ -110,13 +98,15 @@ def test_failed_prefetch_is_read_again_and_a_lasting_fault_reaches_the_caller(
 def test_device_slot_writes_are_exact(reference, monkeypatch, budget):
     """The CUDA write path (host staging + scatter into the pool), exercised on this backend."""
     packed, prompt, want, total = reference
-    monkeypatch.setenv("MOEFLUX_SLOT_WRITES", "device")
     model, _ = moeflux_mlx.load(
-        packed, cache_budget=budget if budget == "all" else int(budget * total)
+        packed,
+        options=tuned(slot_writes="device"),
+        cache_budget=budget if budget == "all" else int(budget * total),
     )
     with model.moeflux as rt:
         assert _greedy(model, prompt) == want
-        pools = getattr(rt.cache, "pools", {})
+        slots = rt.cache.slots
+        pools = {**slots.pools, **{("staging", k): p for k, p in slots._staging_pools.items()}}
         assert pools and all(p.device_writes and p.host is None for p in pools.values())
         if budget == 0.25:
             assert 0 < rt.stats.hit_rate < 1
@@ -127,25 +117,31 @@ def test_buffers_do_not_grow_per_layer_after_a_prefill(reference, monkeypatch, w
     """A prefill routes most experts of every layer; what stays allocated afterwards must not be
     per layer (with experts many times RAM that would be every expert again)."""
     import moeflux_mlx.cache.pool as pool
-    import moeflux_mlx.cache.staging as staging
+    import moeflux_mlx.cache.slots as slots
+    import moeflux_mlx.cache.whole_layer as whole_layer
     import moeflux_mlx.io.store as store
 
     packed, prompt, want, _ = reference
-    monkeypatch.setenv("MOEFLUX_SLOT_WRITES", writes)
     blob = next(iter(expert_layout(packed).layers.values())).blob_size
     keep = 6 * blob  # more than one decode token's experts, fewer than a prefill's
-    monkeypatch.setattr(pool, "STAGING_KEEP_BYTES", keep)
-    monkeypatch.setattr(staging, "STAGING_KEEP_BYTES", keep)
-    monkeypatch.setattr(store, "STAGING_KEEP_BYTES", keep)
+    for module in (pool, slots, whole_layer, store):
+        monkeypatch.setattr(module, "STAGING_KEEP_BYTES", keep)
     long_prompt = mx.concatenate([prompt] * 6)
-    model, _ = moeflux_mlx.load(packed, cache_budget=0, expert_io="pread")
+    model, _ = moeflux_mlx.load(
+        packed, options=tuned(slot_writes=writes), cache_budget=0, expert_io="pread"
+    )
     with model.moeflux as rt:
         ref_model, _ = mlx_lm.load(str(reference_src(packed)))
         assert _greedy(model, long_prompt, 12) == _greedy(ref_model, long_prompt, 12)
-        assert len(rt.cache.pools) == 1  # every layer shares one pool (one layout)
-        assert all(p.nbytes <= keep for p in rt.cache.pools.values())
+        staging_pools = rt.cache.slots._staging_pools
+        assert len(staging_pools) == 1  # every layer shares one pool (one layout)
+        assert all(p.nbytes <= keep for p in staging_pools.values())
+        assert not rt.cache.slots.pools  # no slots at budget 0
         staged = rt.store._staging
         assert staged is None or staged.nbytes <= keep
+        reads = rt.cache.whole.reads  # a prefill's whole layers: kept buffers within keep too
+        assert reads._host_buf is None or reads._host_buf.nbytes <= keep
+        assert all(b is None or b.size <= keep for b in reads._bufs)
         if writes == "device":
             buf = rt.cache.staging._buf
             assert buf is None or buf.size <= keep
