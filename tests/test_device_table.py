@@ -2,8 +2,9 @@
 
 The resolve and fill kernels are CUDA (test_kernels runs them on a GPU). Here a Python reference
 of what they do stands in for them, operating on the same control block, while everything else
-runs as shipped: the miss server process, the cache's table bookkeeping, errors, and the synced
-path sharing the table during prefill."""
+runs as shipped: the miss server process, the cache's table bookkeeping (``DeviceTable``, the
+``TableBook`` of each of its layers), errors, and the synced path sharing the table during
+prefill."""
 
 import contextlib
 import ctypes
@@ -22,6 +23,7 @@ from mlx_lm.models.switch_layers import SwiGLU
 
 import moeflux_mlx
 from moeflux_mlx.cache.pool import IN_PLACE_BIT, InPlaceExperts, host_view
+from moeflux_mlx.cache.whole_layer import OBSERVE_ROWS
 from moeflux_mlx.compute.kernel_source import load_source
 from moeflux_mlx.cuda import control_block as cb
 from moeflux_mlx.cuda import pinned_files
@@ -31,12 +33,14 @@ from moeflux_mlx.cuda.miss_client import MissServer
 from moeflux_mlx.cuda.miss_server import within_slots
 from moeflux_mlx.cuda.pinned_files import PinnedExperts
 from moeflux_mlx.cuda.runtime import PinnedBuffer
+from moeflux_mlx.cuda.table_cache import TableBook
 from moeflux_mlx.errors import DeviceSetupError, DeviceWaitError, ExpertReadError
 from moeflux_mlx.format.checkpoint import expert_layout
 from moeflux_mlx.io.store import open_store
 from moeflux_mlx.model.lookup_decoding import LookupStats, NgramIndex, lookup_generate_step
-from moeflux_mlx.model.runtime import StreamingRuntime
-from moeflux_mlx.options import LoadOptions
+from moeflux_mlx.model.runtime import StreamingRuntime, use_table
+from moeflux_mlx.options import LoadOptions, Tuning
+from tests.support.tuning import tuned
 
 
 def _wait_answer(control, i, seq, timeout=10):
@@ -114,8 +118,7 @@ def table_on_cpu(request, monkeypatch):
     if request.param == "cuda":
         if not cuda_runtime.table_available():
             pytest.skip("the device-side table needs MLX's CUDA backend and libcudart")
-        monkeypatch.setenv("MOEFLUX_DEVICE_TABLE", "1")
-        return
+        return  # on by default where it can run (Tuning.device_table None)
     monkeypatch.setattr(cuda_runtime, "table_available", lambda: True)
     monkeypatch.setattr(tk, "resolve", reference_resolve)
     monkeypatch.setattr(tk, "hint", reference_hint)
@@ -135,13 +138,13 @@ def _greedy(model, prompt, n=24):
 
 def _load_streamed(packed, total, fraction=0.3, **options):
     """The model streaming from ``packed`` at ``fraction`` of its experts' bytes, pread, on the
-    ops path (bit-exact with stock)."""
+    ops path (bit-exact with stock); ``options``: load options and ``Tuning`` fields."""
     return moeflux_mlx.load(
         packed,
         cache_budget=int(fraction * total),
         expert_io="pread",
         backend="ops",
-        options=LoadOptions.resolve(**options) if options else None,
+        options=tuned(**options),
     )
 
 
@@ -160,10 +163,11 @@ def _emptied(path):
 
 def _pool_holds_the_right_experts(rt):
     """Every slot the table names holds exactly that expert's bytes from disk, one per slot."""
-    rt.cache.synchronize()  # fills run after the server's answers, on mlx-lm's own stream
+    if rt.cache.table is not None:  # fills run after the server's answers, on mlx-lm's stream
+        rt.cache.table.synchronize()
     checked = 0
-    for layer, pool in rt.cache.pools.items():
-        slot_of = rt.cache.slot_of(layer)
+    for layer, pool in rt.cache.slots.pools.items():
+        slot_of = rt.cache.slots.slot_of(layer)
         if slot_of is None:
             continue
         mx.eval(list(pool.raw.values()))
@@ -196,12 +200,14 @@ def test_decode_through_the_table_is_exact(table_on_cpu, reference, fraction):
         if tk.resolve is not reference_resolve:  # the CUDA kernel counts its waits
             assert 0 < t.gpu_waits <= t.unsynced_calls and t.gpu_wait_s > 0
         assert _pool_holds_the_right_experts(rt)
-        assert rt.cache.control.fault() is None and not rt.cache.control.globals["errors"]
+        assert (
+            rt.cache.table.control.fault() is None and not rt.cache.table.control.globals["errors"]
+        )
         rt.cache.check()
 
 
 def _server_read_ns(rt) -> int:
-    return sum(int(t.stats[cb.S_IO_NS]) for t in rt.cache.control.layers.values())
+    return sum(int(t.stats[cb.S_IO_NS]) for t in rt.cache.table.control.layers.values())
 
 
 @pytest.mark.parametrize("source", ["packed", "plain"])
@@ -214,11 +220,13 @@ def test_pinned_files_decode_exactly_without_server_reads(
     miss server only picking slots (its misses counted, no time reading)."""
     packed, prompt, want, total = reference
     path = packed if source == "packed" else tiny_checkpoints["qwen3_moe"][0]
-    monkeypatch.setenv("MOEFLUX_PREFILL_WHOLE_LAYER", "1")  # the 7-token prompt's prefill
-    model, _ = _load_streamed(path, total, pin_experts=True)
+    # a whole-layer prefill of the 7-token prompt
+    model, _ = _load_streamed(path, total, pin_experts=True, prefill_whole_layer=1)
     with model.moeflux as rt:
-        pinned = rt.cache.pinned
-        assert pinned is not None and sorted(pinned.sources) == sorted(rt.cache.control.layers)
+        pinned = rt.cache.table.pinned
+        assert pinned is not None and sorted(pinned.sources) == sorted(
+            rt.cache.table.control.layers
+        )
         reads = []
         read = rt.store.read
         monkeypatch.setattr(rt.store, "read", lambda *a, **k: reads.append(a) or read(*a, **k))
@@ -228,7 +236,7 @@ def test_pinned_files_decode_exactly_without_server_reads(
         rt.stats_dict()
         t = rt.stats.total()
         assert t.unsynced_calls > 0 and t.experts_missed > 0 and t.experts_read > 0
-        assert sum(int(x.stats[cb.S_MISSED]) for x in rt.cache.control.layers.values()) > 0
+        assert sum(int(x.stats[cb.S_MISSED]) for x in rt.cache.table.control.layers.values()) > 0
         assert _server_read_ns(rt) == 0
         assert _pool_holds_the_right_experts(rt)
         rt.cache.check()
@@ -241,7 +249,7 @@ def test_pinning_without_the_table_says_so_and_pins_nothing(reference, caplog):
     packed, prompt, want, total = reference
     model, _ = _load_streamed(packed, total, pin_experts=True, device_table=False)
     with model.moeflux as rt:
-        assert rt.cache.name != "table" and getattr(rt.cache, "pinned", None) is None
+        assert rt.cache.name != "table" and rt.cache.table is None
         assert _greedy(model, prompt) == want
     assert "pin_experts: no layer is looked up by the device-side table" in caplog.text
 
@@ -343,7 +351,7 @@ def _speculate(model, tokenizer, rt):
     t = rt.stats.total()
     assert t.calls == t.unsynced_calls  # no host sync, passes included
     assert _pool_holds_the_right_experts(rt)
-    assert rt.cache.control.fault() is None and not rt.cache.control.globals["errors"]
+    assert rt.cache.table.control.fault() is None and not rt.cache.table.control.globals["errors"]
     return t
 
 
@@ -374,7 +382,7 @@ def test_speculative_passes_go_through_the_table_a_token_at_a_time(
     with model.moeflux as rt:
         t = _speculate(model, tokenizer, rt)
         assert t.calls == t.tokens  # every call of one token: the passes went token by token
-        assert t.experts_missed > 0 and t.prefetch_issued > 0  # union read ahead
+        assert t.experts_missed > 0 and t.prefetch_issued > 0  # the union, read ahead
 
 
 @pytest.mark.parametrize("pinned", [False, True])
@@ -399,14 +407,14 @@ def test_passes_outgrowing_the_slots_are_one_call_the_rest_read_in_place(
     monkeypatch.setattr(StreamingRuntime, "reads_outside", lambda *a: True)
     model, tokenizer = _load_streamed(packed, total, pin_experts=pinned)
     with model.moeflux as rt:
-        layers = sorted(rt.cache.control.layers)
-        assert sorted(rt.cache.in_place) == (layers if pinned else [])
+        layers = sorted(rt.cache.table.control.layers)
+        assert sorted(rt.cache.table.in_place) == (layers if pinned else [])
         t = _speculate(model, tokenizer, rt)
         assert t.calls < t.tokens  # passes went whole
         assert outside and sum(outside) > 0  # some experts were read where they lie
         assert t.experts_missed > 0
         if not pinned:
-            assert sorted(rt.cache._in_staging) == layers
+            assert sorted(rt.cache.table._in_staging) == layers
 
 
 def test_passes_outgrowing_the_slots_go_a_token_at_a_time_where_plain_ops_compute(
@@ -480,55 +488,24 @@ def test_a_pass_whose_selections_fit_the_slots_is_one_table_call(table_on_cpu, r
         rt.cache.check()
 
 
-def test_all_mode_looks_up_fully_cached_layers_without_misses(table_on_cpu, reference):
-    """``table_every_layer`` (the benchmark's measure of the lookup alone): every layer goes
-    through the table, is filled whole on first use, and decode never misses."""
-    packed, prompt, want, _ = reference
-    options = LoadOptions.resolve(
-        cache_budget="all", expert_io="pread", backend="ops", table_every_layer=True
-    )
-    model, _ = moeflux_mlx.load(packed, options=options)
-    with model.moeflux as rt:
-        assert sorted(rt.cache.control.layers) == sorted(rt.layout.layers)
-        assert not rt.cache.resident  # nothing bypasses the lookup
-        assert _greedy(model, prompt) == want
-        rt.stats_dict()
-        t = rt.stats.total()
-        n_experts = sum(lay.num_experts for lay in rt.layout.layers.values())
-        assert t.experts_missed == n_experts  # each expert read once, at the prefill's fill
-        assert t.unsynced_calls > 0 and t.gpu_waits == 0
-        assert _pool_holds_the_right_experts(rt) == n_experts
-
-
-def test_benchmark_pairs_the_lookup_alone(table_on_cpu, reference, tiny_checkpoints):
-    """The benchmark's paired rounds add the kernels with every expert looked up through the
-    table, and the lookup's cost per layer from those rounds."""
-    from benchmarks.lib import decode, report
-
-    packed, prompt, _, _ = reference
-    src = tiny_checkpoints["qwen3_moe"][0]
-    paired = decode._paired_resident(packed, src, prompt, 4, "pread", ("ops",), 2, table=True)
-    assert set(paired["moeflux"]) == {"moeflux ops", "moeflux ops table", report.CEILING}
-    assert all(len(r["tps"]) == 2 for r in paired["moeflux"].values())
-    assert isinstance(paired["table_lookup_ms_per_layer"], float)
-    lines = report.summary_lines({"paired_resident": paired})
-    assert any("device-side table alone, from those rounds" in line for line in lines)
-
-
-@pytest.mark.parametrize("eviction", ["lru", "decay", "transition", "logistic"])
+@pytest.mark.parametrize("eviction", ["lru", "transition"])
 def test_same_misses_as_the_synced_cache(table_on_cpu, reference, eviction):
     """The table path and the host-synced path make the same LRU decisions; a counting policy
-    (the default) sees the GPU's uses through its last-use records, at most one per slot between
+    (transition, the default) sees the GPU's uses through its last-use records, at most one per slot between
     two of its layer's misses, so its misses may differ a little from the synced path's."""
     packed, prompt, _, total = reference
     missed = []
     tokens = []
     for table in (True, False):
         model, _ = moeflux_mlx.load(
-            packed, cache_budget=int(0.3 * total), device_table=table, eviction=eviction
+            packed,
+            options=tuned(device_table=table, eviction=eviction),
+            cache_budget=int(0.3 * total),
         )
         with model.moeflux as rt:
             assert (rt.cache.name == "table") == table
+            if table:  # the synced path's bookkeeping of these layers is the server's
+                assert all(isinstance(b, TableBook) for b in rt.cache.slots.books.values())
             tokens.append(_greedy(model, prompt))  # default backend: the kernels on a GPU
             rt.stats_dict()
             missed.append({i: s.experts_missed for i, s in rt.stats.layers.items()})
@@ -584,7 +561,7 @@ def test_failed_read_raises_at_the_next_call_then_recovers(table_on_cpu, referen
         with _emptied(path):
             with pytest.raises(ExpertReadError, match=f"layer_{layer0:02d}.bin.*layer {layer0}"):
                 _greedy(model, prompt[:1], n=4)
-        assert not rt.cache.control.globals["pending_release"]
+        assert not rt.cache.table.control.globals["pending_release"]
         _pool_holds_the_right_experts(rt)  # the poisoned slots were freed
         rt.cache.check()  # the error was reported once
         assert _greedy(model, prompt) == want
@@ -604,10 +581,9 @@ def test_failed_read_in_a_speculative_pass_yields_none_of_its_tokens(
         if "cuda" in request.node.callspec.id:
             pytest.skip("the lag is the Python stand-in's")
         monkeypatch.setitem(globals(), "ANSWER_LAG_S", 0.01)
-        monkeypatch.setenv("MOEFLUX_SERVER_POLL_US", "20000")
-        monkeypatch.setenv("MOEFLUX_SERVER_POLL_MAX_US", "20000")
     packed, prompt, _, total = reference
-    model, _ = _load_streamed(packed, total)
+    polls = dict(server_poll_us=20000, server_poll_max_us=20000) if slow else {}
+    model, _ = _load_streamed(packed, total, **polls)
     layer0 = min(expert_layout(packed).layers)
     got = []
     ids = prompt.tolist()
@@ -628,7 +604,7 @@ def test_gpu_fault_raises(table_on_cpu, reference):
     packed, _, _, total = reference
     model, _ = moeflux_mlx.load(packed, cache_budget=int(0.3 * total))
     with model.moeflux as rt:
-        control = rt.cache.control
+        control = rt.cache.table.control
         control.faults[0] = cb.FAULT_TIMEOUT
         with pytest.raises(DeviceWaitError, match=f"layer {control.order[0]}.*waited"):
             rt.cache.check()
@@ -829,18 +805,17 @@ def tiny_store(tiny_checkpoints):
     store.close()
 
 
-def _server(store, layout, n_slots=4, read_ahead=False, poll_us=None, in_place=()):
+def _server(store, layout, n_slots=4, poll_us=None, in_place=()):
     control = cb.ControlBlock(
         {i: (lay.num_experts, n_slots) for i, lay in layout.layers.items()}, allocate=PinnedBuffer
     )
-    o = LoadOptions()
+    o = Tuning()
     return MissServer(
         control,
         store,
         o.wait_timeout_s,
         poll_us or o.server_poll_us,
         poll_us or o.server_poll_max_us,
-        read_ahead=read_ahead,
         in_place=in_place,
     )
 
@@ -882,7 +857,7 @@ def test_hints_are_read_ahead_and_taken_by_the_next_request(tiny_store):
     """Prefetch on the table path: the server reads a hint's absent experts ahead, the layer's
     next request takes those bytes (set-based), and a newer hint replaces an older one."""
     store, layout = tiny_store
-    server = _server(store, layout, read_ahead=True)
+    server = _server(store, layout)
     try:
         c, layer, t, staging = _first_layer(server, layout, rows=4)
 
@@ -913,7 +888,7 @@ def test_hints_are_read_ahead_and_taken_by_the_next_request(tiny_store):
 
 
 def test_a_pass_hint_covers_its_tokens_calls_then_goes(tiny_store):
-    """A speculative pass's hint (every token's experts, as ``TableCache.waves`` publishes it):
+    """A speculative pass's hint (every token's experts, as ``DeviceTable.plan_pass`` publishes it):
     its absent experts are read ahead for the pass's calls, its resident ones are kept through
     the earlier tokens' misses, and what its last call did not take is dropped."""
     store, layout = tiny_store
@@ -1053,21 +1028,6 @@ def test_check_raises_a_failed_read_once_its_slots_are_freed(tiny_store, tiny_ch
         server.close()
 
 
-def test_decode_with_table_prefetch_is_exact(table_on_cpu, reference):
-    packed, prompt, want, total = reference
-    model, _ = moeflux_mlx.load(
-        packed, cache_budget=int(0.3 * total), expert_io="pread", backend="ops", prefetch=True
-    )
-    with model.moeflux as rt:
-        assert rt.cache.server.read_ahead
-        assert _greedy(model, prompt) == want
-        rt.stats_dict()
-        t = rt.stats.total()
-        assert t.unsynced_calls > 0 and t.prefetch_issued > 0
-        assert 0 <= t.prefetch_hits <= t.experts_missed
-        assert _pool_holds_the_right_experts(rt)
-
-
 def test_server_answers_while_this_process_holds_the_gil(tiny_store):
     """The reason the miss server is a process: MLX may block this process's thread inside a
     call that holds the GIL (mx.async_eval) while the GPU waits. A request published before such
@@ -1098,7 +1058,7 @@ def test_server_answers_while_this_process_holds_the_gil(tiny_store):
 def test_poll_interval_backs_off_to_its_cap():
     from moeflux_mlx.cuda import miss_server as ms
 
-    o = LoadOptions()
+    o = Tuning()
     first, cap = o.server_poll_us * 1e-6, o.server_poll_max_us * 1e-6
     steps = [first]
     for _ in range(40):
@@ -1116,7 +1076,7 @@ def test_request_after_a_long_quiet_spell_is_answered_promptly(tiny_store):
 
     store, layout = tiny_store
     server = _server(store, layout)
-    server_cap_ms = LoadOptions().server_poll_max_us / 1e3
+    server_cap_ms = Tuning().server_poll_max_us / 1e3
     try:
         c = server.control
         t = c.layers[c.order[0]]
@@ -1213,19 +1173,16 @@ def test_pinned_buffer_is_plain_memory_without_cuda():
 
 
 def test_on_by_default_where_cuda_is(monkeypatch):
-    from moeflux_mlx.model.runtime import use_table
-
+    """The table runs wherever it can unless ``Tuning`` says otherwise; asked for where it
+    cannot run, it does not; no variable switches it."""
     available = cuda_runtime.table_available()
-    monkeypatch.delenv("MOEFLUX_DEVICE_TABLE", raising=False)
-    assert use_table(LoadOptions.resolve().device_table) == available
-    monkeypatch.setenv("MOEFLUX_DEVICE_TABLE", "off")
-    assert not use_table(LoadOptions.resolve().device_table)
-    assert use_table(LoadOptions.resolve(device_table=True).device_table) == available
-    monkeypatch.setenv("MOEFLUX_DEVICE_TABLE", "0")
-    assert not use_table(LoadOptions.resolve().device_table)
-    monkeypatch.setenv("MOEFLUX_DEVICE_TABLE", "1")
-    assert use_table(LoadOptions.resolve().device_table) == available
-    assert not use_table(LoadOptions.resolve(device_table=False).device_table)
+    assert use_table(LoadOptions.resolve().tuning) == available
+    assert use_table(Tuning(device_table=True)) == available
+    assert not use_table(Tuning(device_table=False))
+    monkeypatch.setenv("MOEFLUX_DEVICE_TABLE", "off")  # no longer read
+    assert use_table(LoadOptions.resolve().tuning) == available
+    monkeypatch.setattr(cuda_runtime, "table_available", lambda: True)
+    assert use_table(Tuning()) and not use_table(Tuning(device_table=False))
 
 
 def test_server_runs_with_descriptors_past_select_s_limit(tiny_store):
@@ -1255,14 +1212,16 @@ def test_decode_through_the_table_lets_the_prefill_s_held_output_go(
     """A whole-layer prefill (no host sync) holds its last layer's output, lazy; the decode that
     follows goes through the table and must let it (and its whole-layer pool) go."""
     packed, prompt, want, total = reference
-    monkeypatch.setenv("MOEFLUX_PREFILL_WHOLE_LAYER", "1")
     model, _ = moeflux_mlx.load(
-        packed, cache_budget=int(0.3 * total), device_table=True, backend="ops"
+        packed,
+        options=tuned(device_table=True, prefill_whole_layer=1),
+        cache_budget=int(0.3 * total),
+        backend="ops",
     )  # the ops path is bit-exact with stock
     with model.moeflux as rt:
         assert rt.cache.name == "table"
         assert _greedy(model, prompt) == want
-        assert rt.stats.total().unsynced_calls > 0 and rt.cache._pending is None
+        assert rt.stats.total().unsynced_calls > 0 and rt.cache.whole._pending is None
 
 
 @contextlib.contextmanager
@@ -1271,35 +1230,30 @@ def _prefilled_through_the_table(packed, prompt, total):
     prefill chunk of ``prompt`` has computed and the next pass has started (every layer but the
     last done with); yields ``(model, runtime)``."""
     model, _ = moeflux_mlx.load(
-        packed, cache_budget=int(0.3 * total), device_table=True, backend="ops"
+        packed,
+        options=tuned(device_table=True, prefill_whole_layer=1),
+        cache_budget=int(0.3 * total),
+        backend="ops",
     )
     with model.moeflux as rt:
         cache = make_prompt_cache(model)
         model(prompt[None], cache=cache)
         mx.eval([c.state for c in cache])
-        rt.cache.begin_call(0)
+        rt.cache.whole.begin(0)
         yield model, rt
 
 
-def test_a_whole_layer_prefill_warms_the_table_s_slots(table_on_cpu, reference, monkeypatch):
-    """Through the table, a whole-layer prefill's layers (all but the last, never computed)
-    leave experts in the slots, admitted by the miss server and copied from their whole-layer
-    pools (in place on CUDA), each slot holding its expert's bytes; off, none."""
+def test_a_whole_layer_prefill_leaves_the_table_s_slots_empty(table_on_cpu, reference):
+    """Through the table, a whole-layer prefill's layers read into pools of their own: the
+    slots stay empty (the decode's misses fill them), and decode is exact from there."""
     packed, prompt, want, total = reference
-    monkeypatch.setenv("MOEFLUX_PREFILL_WHOLE_LAYER", "1")
-    held = {}
-    for warm in ("on", "off"):
-        monkeypatch.setenv("MOEFLUX_PREFILL_WARM_SLOTS", warm)
-        with _prefilled_through_the_table(packed, prompt, total) as (model, rt):
-            layers = sorted(rt.layout.layers)
-            held[warm] = {
-                i: int((rt.cache.slot_of(i) >= 0).sum()) if i in rt.cache.pools else 0
-                for i in layers
-            }
-            assert _pool_holds_the_right_experts(rt) == sum(held[warm].values())
-            assert _greedy(model, prompt) == want
-    assert all(held["on"][i] > 0 for i in layers[:-1]) and held["on"][layers[-1]] == 0
-    assert sum(held["off"].values()) == 0
+    with _prefilled_through_the_table(packed, prompt, total) as (model, rt):
+        assert rt.stats.total().unsynced_calls == len(rt.layout.layers)  # read whole, no sync
+        for layer, t in rt.cache.table.control.layers.items():
+            assert (t.slot_of < 0).all(), layer
+        assert _pool_holds_the_right_experts(rt) == 0
+        assert _greedy(model, prompt) == want
+        assert _pool_holds_the_right_experts(rt) > 0
 
 
 def test_a_whole_layer_prefill_teaches_the_miss_server_s_policy(
@@ -1308,18 +1262,14 @@ def test_a_whole_layer_prefill_teaches_the_miss_server_s_policy(
     """Through the table, a whole-layer prefill's routing (each layer's latest rows, but the
     last layer's) goes to the miss server's policy as calls it did not serve: the layer's clock
     moves on by as many calls and no slot is taken; decode stays exact."""
-    from moeflux_mlx.cache.synced import OBSERVE_ROWS
-
     packed, prompt, want, total = reference
-    monkeypatch.setenv("MOEFLUX_PREFILL_WHOLE_LAYER", "1")
-    monkeypatch.setenv("MOEFLUX_PREFILL_LEARNS", "on")
     with _prefilled_through_the_table(packed, prompt, total) as (model, rt):
-        control = rt.cache.control
+        control = rt.cache.table.control
         layers = sorted(control.layers)
         rows = min(prompt.size, OBSERVE_ROWS)
         for layer in layers:
             t = control.layers[layer]
-            rt.cache.server._answered(layer, int(control.host_requests[t.index]))
+            rt.cache.table.server._answered(layer, int(control.host_requests[t.index]))
             want_ticks = 0 if layer == max(rt.layout.layers) else rows
             assert int(t.header["host_ticks"]) == want_ticks, layer
             assert (t.slot_of < 0).all()
