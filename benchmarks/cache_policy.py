@@ -1,28 +1,22 @@
-"""Which eviction policy, and which prefetch predictor, suit a model's routing? Measured on
-routing traces: the experts every MoE layer routed each token to.
+"""Which eviction policy suits a model's routing? Measured on routing traces: the experts every
+MoE layer routed each token to.
 
 Records (``benchmarks/lib/routing.py``) a model's routing over held-out text, teacher-forced
 (one forward pass per ``--context`` tokens, every expert resident; the text's first ``--tokens``
 tokens, or with ``--per-document N`` the first N of each document), and over a short greedy
 decode from the text's start; saves each as a small trace file (``.npz``: experts as uint8
-``[tokens, layers, top_k]`` and the predictors' rankings, no hidden states); then reports on each:
+``[tokens, layers, top_k]``, no hidden states); then reports on each:
 
 - how skewed expert popularity is (top-10% share, normalized entropy, Gini, experts unused);
 - reuse: the share of a token's experts the same layer used in the last N tokens;
-- predictors of the next token's experts, on the tokens after the ``--fit-tokens`` fit segment:
-  the same layer's last N tokens (``window N``: their union, or its k / 2k most used), the next
-  layer's router applied to this layer's MoE input (``gate``: what ``prefetch=True`` reads), and
-  a ridge map from this layer's MoE input to the next layer's router scores fitted on the fit
-  segment (``ridge``, ``moeflux_mlx.model.predict.RidgeRouterMap``): recall at top_k and
-  2 x top_k, and beside the package's LRU at ``--prefetch-budget`` the share of its misses each
-  would have read ahead and the reads it would waste per token;
 - eviction: each layer's trace replayed through the package's own policies
-  (``moeflux_mlx.cache.policy.POLICIES``: lru, lfu, lfuda, decay, s3fifo, driven exactly as the
-  cache drives them), random eviction and Belady's offline optimum (``opt``, a bound no online
-  policy reaches), at each budget: misses per token and the ratio to LRU.
+  (``moeflux_mlx.cache.policy.POLICIES``: transition, the default, and lru, driven exactly as
+  the cache drives them), random eviction and Belady's offline optimum (``opt``, a bound no
+  online policy reaches), at each budget: misses per token and the ratio to LRU;
+- what a page cache would serve of the default policy's misses (what reading uncached gives up).
 
-    python benchmarks/cache_policy.py [MODEL] [--tokens 4096] [--fit-tokens 2048] [--decode 128]
-        [--per-document 256] [--budgets 0.1,0.25,0.5] [--half-life 8] [--label NAME]
+    python benchmarks/cache_policy.py [MODEL] [--tokens 4096] [--decode 128]
+        [--per-document 256] [--budgets 0.1,0.25,0.5] [--label NAME]
     python benchmarks/cache_policy.py --traces benchmarks/results/traces/...-text.npz [...]
 
 Without MODEL it builds a random-weight qwen3_moe of the demo model's shape (8 layers, 64
@@ -149,8 +143,6 @@ def record(args, label: str, stem: str) -> List[RoutingTrace]:
         model,
         tokens,
         context=args.context,
-        fit_tokens=args.fit_tokens,
-        alpha=args.alpha,
         decode=args.decode,
         prompt_tokens=args.prompt_tokens,
         meta={
@@ -187,21 +179,16 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--tokens", type=int, default=4096, help="text tokens to record")
     ap.add_argument("--context", type=int, default=512, help="tokens per forward pass")
-    ap.add_argument("--fit-tokens", type=int, default=2048, help="the ridge map's fit segment")
-    ap.add_argument("--alpha", type=float, default=1e-3, help="ridge strength (relative)")
     ap.add_argument("--decode", type=int, default=128, help="greedy decode tokens (0: none)")
     ap.add_argument("--prompt-tokens", type=int, default=64, help="the decode's prompt")
     ap.add_argument("--budgets", default="0.1,0.25,0.5", help="fractions of each layer's experts")
-    ap.add_argument("--half-life", default="8", help="decay half-lives in tokens, comma-separated")
     ap.add_argument("--windows", default="1,2,4,8,12,16", help="reuse windows in tokens")
-    ap.add_argument("--predictor-windows", default="1,2,4,8,16", help="window predictors")
-    ap.add_argument("--prefetch-budget", type=float, default=0.25)
     ap.add_argument(
         "--prompt-learning",
         default=None,
         metavar="PROMPT:DECODE",
         help="also replay decode windows of DECODE tokens after PROMPT tokens the policies "
-        "learn from first (the load option prefill_learns), at 25%%, e.g. 128:512",
+        "learn from first (as a whole-layer prefill teaches them), at 25%%, e.g. 128:512",
     )
     ap.add_argument("--label", default=None, help="names the files (default: model folder)")
     ap.add_argument("--build-dir", type=Path, default=ROOT / ".cache" / "bench-models")
@@ -221,22 +208,15 @@ def main(argv=None) -> int:
         traces = record(args, label, f"{date}-{label}")
     sections = []
     for trace in traces:
-        result = analyze(
-            trace,
-            budgets=_floats(args.budgets),
-            half_lives=_floats(args.half_life),
-            windows=_ints(args.windows),
-            prefetch_budget=args.prefetch_budget,
-            predictor_windows=_ints(args.predictor_windows),
-        )
+        result = analyze(trace, budgets=_floats(args.budgets), windows=_ints(args.windows))
         sections.append(f"## {trace.meta.get('mode', 'trace')}\n\n" + format_report(result))
         if args.prompt_learning:
             p, d = (int(v) for v in args.prompt_learning.split(":"))
             learnt = prompt_learning_table(trace, prompt_tokens=p, decode_tokens=d)
             sections.append("### Policies taught the prompt\n\n" + format_prompt_learning(learnt))
     body = (
-        f"# Routing, caching and prediction: {label}\n\nMachine: {machine}. "
-        f"`benchmarks/cache_policy.py`; see docs/routing.md.\n\n" + "\n\n".join(sections) + "\n"
+        f"# Routing and caching: {label}\n\nMachine: {machine}. "
+        f"`benchmarks/cache_policy.py`.\n\n" + "\n\n".join(sections) + "\n"
     )
     print(body)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,21 +1,19 @@
-"""Routing traces and what they say about caching and prefetching experts
-(``benchmarks/cache_policy.py``, docs/routing.md).
+"""Routing traces and what they say about caching experts (``benchmarks/cache_policy.py``).
 
 A ``RoutingTrace`` holds the experts every MoE layer routed each token to (``[tokens, layers,
 top_k]``), recorded from any model ``moeflux_mlx.load`` opens (``record_text``: forward passes over a
-text, teacher-forced, and optionally a greedy decode), beside two predictions of the next
-MoE layer's experts made at the same time: its router applied to this layer's MoE input (the
-next-layer gate, what ``prefetch=True`` reads) and a ridge map fitted to the model's own routing
-(``model.predict.RidgeRouterMap``, fitted on the first ``fit_tokens`` tokens, predicting the
-rest). Hidden states are never stored: a trace is a few hundred kB (``save`` / ``load``).
+text, teacher-forced, and optionally a greedy decode). Hidden states are never stored: a trace is
+a few hundred kB (``save`` / ``load``). Traces recorded while the package still prefetched also
+hold predictions of the next layer's experts (``predicted``); they are kept as stored, for
+``trace_routing``'s replays, and no longer recorded or scored here.
 
 From a trace, with numpy only:
 
 - ``replay``: one layer's routing through the package's own eviction policies
-  (``cache.policy.POLICIES``, exactly as ``BudgetCache`` calls them), plus ``BeladyPolicy``
-  (the offline optimum, an upper bound) and ``RandomPolicy``: misses per token.
-- ``window_scores`` / ``recall`` / ``coverage``: how many routed experts a predictor names, and
-  through an LRU cache how many misses its reads ahead would cover and how many reads it wastes.
+  (``cache.policy.POLICIES``: transition and LRU, driven as the cache's ``PolicyBook`` drives
+  them), plus ``BeladyPolicy`` (the offline optimum, an upper bound) and ``RandomPolicy``:
+  misses per token.
+- ``window_scores`` / ``reuse_table``: how many of a token's experts the last N tokens used.
 - ``skew``: how unevenly the experts are used (top-10% share, normalized entropy, Gini).
 - ``analyze`` / ``format_report``: all of it, as the benchmark prints it.
 """
@@ -32,13 +30,11 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 
-from moeflux_mlx.cache.policy import POLICIES, DecayPolicy, EvictionPolicy, LRUPolicy
+from moeflux_mlx.cache.policy import POLICIES, EvictionPolicy, LRUPolicy
 from moeflux_mlx.model.load import load
-from moeflux_mlx.model.predict import RidgeRouterMap, next_gates, router_scores, top_experts
 from moeflux_mlx.model.switch import StreamingSwitchGLU
 
 TRACE_VERSION = 1
-PREDICTORS = ("gate", "ridge")  # the stored predictions, in ``RoutingTrace.predicted``
 
 
 # ---------------------------------------------------------------------------------- the trace
@@ -54,11 +50,11 @@ class RoutingTrace:
         num_experts: experts per MoE layer (same order).
         tokens: the input token id at each position (``[tokens]``; -1 where unknown).
         predicted: name -> ``[tokens - eval_from, len(pred_layers), m]`` ranked predictions
-            (best first) of ``pred_layers``' experts for tokens ``eval_from`` onwards.
+            (best first) of ``pred_layers``' experts for tokens ``eval_from`` onwards, in traces
+            recorded with them (none are recorded now).
         pred_layers: the layers predicted (each from the MoE layer before it).
-        eval_from: the first token not used to fit a predictor; predictors are compared on the
-            tokens from here on.
-        meta: how it was recorded (model, text, mode, context, ridge alpha, ...).
+        eval_from: the first token a stored predictor was not fitted on.
+        meta: how it was recorded (model, text, mode, context, ...).
     """
 
     routed: np.ndarray
@@ -148,8 +144,8 @@ class RoutingTrace:
                 num_experts=z["num_experts"].tolist(),
                 tokens=z["tokens"].astype(np.int64),
                 predicted=predicted,
-                pred_layers=z["pred_layers"].tolist(),
-                eval_from=int(z["eval_from"]),
+                pred_layers=z["pred_layers"].tolist() if "pred_layers" in z.files else [],
+                eval_from=int(z["eval_from"]) if "eval_from" in z.files else 0,
                 meta=meta,
             )
 
@@ -230,24 +226,16 @@ class RandomPolicy(LRUPolicy):
 PolicyFactory = Callable[[int, int, np.ndarray], EvictionPolicy]
 
 
-def policy_factories(half_lives: Sequence[float] = (8.0,)) -> Dict[str, PolicyFactory]:
-    """The replayed policies by column name: every one of ``cache.policy.POLICIES`` (``decay``
-    once per half-life, named ``decay H``), ``random`` and ``opt`` (Belady).
-
-    Args:
-        half_lives: the decay policy's half-lives, in tokens.
+def policy_factories() -> Dict[str, PolicyFactory]:
+    """The replayed policies by column name: every one of ``cache.policy.POLICIES``
+    (``transition``, ``lru``), ``random`` and ``opt`` (Belady).
 
     Returns:
         name -> ``factory(num_experts, n_slots, trace)``.
     """
     out: Dict[str, PolicyFactory] = {}
     for name, cls in POLICIES.items():
-        if cls is DecayPolicy:
-            for h in half_lives:
-                sub = type(f"Decay{h:g}", (DecayPolicy,), {"half_life": float(h)})
-                out[f"decay {h:g}"] = lambda e, s, t, sub=sub: sub(e, s)
-        else:
-            out[name] = lambda e, s, t, cls=cls: cls(e, s)
+        out[name] = lambda e, s, t, cls=cls: cls(e, s)
     out["random"] = lambda e, s, t: RandomPolicy(e, s)
     out["opt"] = lambda e, s, t: BeladyPolicy(e, s, t)
     return out
@@ -256,7 +244,7 @@ def policy_factories(half_lives: Sequence[float] = (8.0,)) -> Dict[str, PolicyFa
 def replay(
     trace: np.ndarray, num_experts: int, n_slots: int, policy: EvictionPolicy
 ) -> Iterator[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Drive ``policy`` through one layer's trace as ``BudgetCache`` does: one call per token,
+    """Drive ``policy`` through one layer's trace as the cache's ``PolicyBook`` does: one call per token,
     ticks counted from 1, ``admit`` then ``assign``.
 
     Args:
@@ -315,29 +303,19 @@ def budget_slots(frac: float, num_experts: int, top_k: int) -> int:
     return min(num_experts, max(top_k, int(round(frac * num_experts))))
 
 
-HINDSIGHT = "decay, each layer's best half-life"
-
-
-def replay_table(
-    trace: RoutingTrace, budgets: Sequence[float], half_lives: Sequence[float] = (8.0,)
-) -> dict:
+def replay_table(trace: RoutingTrace, budgets: Sequence[float]) -> dict:
     """Misses per token (every MoE layer's summed) per policy and budget, over the whole trace
     from a cold cache.
 
     Args:
         trace: the recording.
         budgets: fractions of each layer's experts.
-        half_lives: the decay policy's half-lives.
 
     Returns:
         ``{"columns": [...], "rows": [{"budget", "slots", name: misses per token, ...}]}``.
-        With more than one half-life, the column ``HINDSIGHT`` is the decay policy with each
-        layer's best half-life, chosen after the fact: a bound on tuning the half-life per
-        layer.
     """
-    factories = policy_factories(half_lives)
-    decays = [name for name in factories if name.startswith("decay ")]
-    columns = list(factories) + ([HINDSIGHT] if len(decays) > 1 else [])
+    factories = policy_factories()
+    columns = list(factories)
     tokens = max(trace.routed.shape[0], 1)
     rows = []
     for frac in budgets:
@@ -351,9 +329,6 @@ def replay_table(
         }
         row: dict = {"budget": frac, "slots": slots}
         row.update({name: sum(m) / tokens for name, m in per_layer.items()})
-        if HINDSIGHT in columns:
-            best = np.min([per_layer[name] for name in decays], axis=0)
-            row[HINDSIGHT] = float(best.sum()) / tokens
         rows.append(row)
     return {"columns": columns, "rows": rows, "tokens": tokens}
 
@@ -361,17 +336,16 @@ def replay_table(
 def prompt_learning_table(
     trace: RoutingTrace,
     budget: float = 0.25,
-    policies: Sequence[str] = ("transition", "logistic"),
+    policies: Sequence[str] = ("transition",),
     prompt_tokens: int = 128,
     decode_tokens: int = 512,
     step: int = 333,
 ) -> dict:
-    """What a prefill's routing teaches a policy (``EvictionPolicy.observe``, the load option
-    ``prefill_learns``): misses of a decode window from empty slots, as a share of LRU's, with
-    the policy fresh and after observing the window's prompt, over windows of the trace
-    (``prompt_tokens`` rows observed, then ``decode_tokens`` rows replayed, as
-    ``benchmarks/decode.py`` with ``--routing-trace`` runs it: the first window where the
-    trace's predictions start, then every ``step`` tokens from 0).
+    """What a prefill's routing teaches a policy (``EvictionPolicy.observe``, which a
+    whole-layer prefill always calls): misses of a decode window from empty slots, as a share
+    of LRU's, with the policy fresh and after observing the window's prompt, over windows of the
+    trace (``prompt_tokens`` rows observed, then ``decode_tokens`` rows replayed, as
+    ``benchmarks/decode.py`` with ``--routing-trace`` runs it), every ``step`` tokens from 0.
 
     Args:
         trace: the recording.
@@ -386,8 +360,7 @@ def prompt_learning_table(
         the summed misses.
     """
     span = prompt_tokens + decode_tokens
-    starts = [trace.eval_from] if trace.eval_from + span <= trace.routed.shape[0] else []
-    starts += [s for s in range(0, trace.routed.shape[0] - span + 1, step) if s not in starts]
+    starts = list(range(0, trace.routed.shape[0] - span + 1, step))
     rows, totals = [], {}
     for start in starts:
         prompt = trace.routed[start : start + prompt_tokens]
@@ -446,7 +419,7 @@ def format_prompt_learning(result: dict) -> str:
     return "\n".join(out)
 
 
-# --------------------------------------------------------------------- predictors and recall
+# ------------------------------------------------------------------------- reading uncached
 
 
 def page_cache_table(
@@ -455,7 +428,7 @@ def page_cache_table(
     fractions: Sequence[float] = (0.1, 0.2, 0.25, 0.33, 0.5, 0.75),
 ) -> dict:
     """How many of the slot cache's misses a page cache would serve: what reading uncached
-    (``expert_io=direct``) gives up. The default policy (``decay``) holds ``budget`` of each
+    (``expert_io=direct``) gives up. The default policy (``transition``) holds ``budget`` of each
     layer's experts; every miss is read from the files, through one LRU page cache shared by all
     layers that holds ``fraction`` of all the experts (an expert read stays in it until pushed
     out, resident in the slots or not).
@@ -472,11 +445,10 @@ def page_cache_table(
     tokens = trace.routed.shape[0]
     misses: List[Tuple[int, int]] = []  # (layer, expert), in order of reading
     per_layer = []
+    default = POLICIES["transition"]
     for j, e in enumerate(trace.num_experts):
         slots = budget_slots(budget, e, trace.top_k)
-        per_layer.append(
-            [m for _, m, _ in replay(trace.routed[:, j], e, slots, DecayPolicy(e, slots))]
-        )
+        per_layer.append([m for _, m, _ in replay(trace.routed[:, j], e, slots, default(e, slots))])
     for t in range(tokens):
         for j, rows in enumerate(per_layer):
             misses += [(j, int(x)) for x in rows[t]]
@@ -534,198 +506,6 @@ def window_scores(routed: np.ndarray, num_experts: int, n: int) -> np.ndarray:
     last_before = np.vstack([np.full((1, num_experts), -1), last[:-1]])
     score = count + (last_before + 1) / (tokens + 1.0)  # the recency term is < 1
     return np.where(count > 0, score, -np.inf)
-
-
-def rank_scores(pred: np.ndarray, num_experts: int) -> np.ndarray:
-    """Scores that rank experts as a stored prediction does.
-
-    Args:
-        pred: ``[tokens, m]`` ranked predictions, best first.
-        num_experts: the layer's experts.
-
-    Returns:
-        ``[tokens, num_experts]``: ``m`` for the first, down to 1 for the last, -inf elsewhere.
-    """
-    m = pred.shape[1]
-    score = np.full((pred.shape[0], num_experts), -np.inf)
-    np.put_along_axis(score, pred, np.arange(m, 0, -1, dtype=np.float64)[None, :], axis=1)
-    return score
-
-
-def top_mask(score: np.ndarray, m: Optional[int]) -> np.ndarray:
-    """The set a predictor names: its ``m`` best-scored experts per token (``None``: every
-    expert with a finite score); never one with score -inf.
-
-    Args:
-        score: ``[tokens, experts]``.
-        m: the set's size, or None.
-
-    Returns:
-        ``[tokens, experts]`` bool.
-    """
-    finite = np.isfinite(score)
-    if m is None or m >= score.shape[1]:
-        return finite
-    part = np.argpartition(-score, m - 1, axis=1)[:, :m]
-    out = np.zeros(score.shape, bool)
-    np.put_along_axis(out, part, True, axis=1)
-    return out & finite
-
-
-def recall(pred: np.ndarray, routed: np.ndarray) -> float:
-    """Share of the routed experts the predictor named.
-
-    Args:
-        pred: ``[tokens, experts]`` bool, the named sets.
-        routed: ``[tokens, experts]`` bool, the routed sets.
-
-    Returns:
-        sum |pred & routed| / sum |routed| (0 for an empty trace).
-    """
-    total = int(routed.sum())
-    return float((pred & routed).sum()) / total if total else 0.0
-
-
-def coverage(pred: np.ndarray, routed: np.ndarray, resident: np.ndarray) -> Tuple[int, int, int]:
-    """What reading a predictor's sets ahead would do beside a cache: of the experts it names
-    that are absent (``~resident``), those the token then routes to are misses covered, the
-    others wasted reads. (A prefetch reads into buffers of its own: the cache evolves as
-    without it.)
-
-    Args:
-        pred: ``[tokens, experts]`` bool, the named sets.
-        routed: ``[tokens, experts]`` bool, the routed sets.
-        resident: ``[tokens, experts]`` bool, the cache's experts before each token.
-
-    Returns:
-        ``(misses, covered, wasted)`` summed over the tokens.
-    """
-    absent = ~resident
-    ahead = pred & absent
-    return (
-        int((routed & absent).sum()),
-        int((ahead & routed).sum()),
-        int((ahead & ~routed).sum()),
-    )
-
-
-def lru_resident(routed: np.ndarray, num_experts: int, n_slots: int) -> np.ndarray:
-    """The experts resident before each token in the package's LRU.
-
-    Args:
-        routed: ``[tokens, k]`` one layer's routed experts.
-        num_experts: the layer's experts.
-        n_slots: the cache's slots.
-
-    Returns:
-        ``[tokens, num_experts]`` bool.
-    """
-    policy = LRUPolicy(num_experts, n_slots)
-    return np.stack([r for _, _, r in replay(routed, num_experts, n_slots, policy)])
-
-
-def predictor_scores(
-    trace: RoutingTrace, windows: Sequence[int]
-) -> Dict[str, List[Optional[np.ndarray]]]:
-    """Each predictor's scores for each predicted layer, over the tokens from ``eval_from``:
-    ``window N`` (the same layer's last N tokens), and the stored predictions (``gate``,
-    ``ridge``) of the next layer from the one before.
-
-    Args:
-        trace: the recording.
-        windows: the window sizes.
-
-    Returns:
-        name -> per layer of ``trace.pred_layers`` (or every layer after the first, where the
-        trace has no predictions) a ``[tokens - eval_from, experts]`` score array (None where
-        that predictor has nothing for that layer).
-    """
-    layers = trace.pred_layers or trace.layers[1:]
-    out: Dict[str, List[Optional[np.ndarray]]] = {}
-    for n in windows:
-        out[f"window {n}"] = [
-            window_scores(trace.layer(i), _experts(trace, i), n)[trace.eval_from :] for i in layers
-        ]
-    for name, pred in trace.predicted.items():
-        out[name] = [
-            rank_scores(pred[:, j], _experts(trace, i)) if i in trace.pred_layers else None
-            for j, i in enumerate(layers)
-        ]
-    return out
-
-
-def _experts(trace: RoutingTrace, layer: int) -> int:
-    return trace.num_experts[trace.layers.index(layer)]
-
-
-def predictor_table(trace: RoutingTrace, windows: Sequence[int], budget: float) -> dict:
-    """Recall of every predictor at ``top_k`` and ``2 * top_k`` experts (the stored predictions
-    also at ``top_k // 2``, each window also as its whole union), and through the package's LRU
-    at ``budget`` the
-    misses its reads ahead cover and the reads it wastes, per token (every predicted layer's
-    summed). Over the predicted layers and the tokens from ``eval_from``.
-
-    Args:
-        trace: the recording.
-        windows: window sizes (``window N`` predictors; window 1 is the previous token).
-        budget: the LRU cache's fraction of each layer's experts.
-
-    Returns:
-        ``{"layers", "tokens", "misses_per_token", "rows": [{"predictor", "set", "size",
-        "recall", "covered", "wasted_per_token"}], "by_layer": {predictor: [recall@top_k per
-        layer]}}``; ``size`` is the mean set size per layer and token; ``by_layer`` for the
-        stored predictions and window 1 (the previous token).
-    """
-    layers = trace.pred_layers or trace.layers[1:]
-    scores = predictor_scores(trace, windows)
-    k = trace.top_k
-    routed, resident = [], []
-    for i in layers:
-        e = _experts(trace, i)
-        r = trace.layer(i)
-        routed.append(one_hot(r, e)[trace.eval_from :])
-        resident.append(lru_resident(r, e, budget_slots(budget, e, k))[trace.eval_from :])
-    tokens = routed[0].shape[0] if routed else 0
-    misses = sum(int((r & ~s).sum()) for r, s in zip(routed, resident))
-    rows = []
-    for name, per_layer in scores.items():
-        if any(s is None for s in per_layer):
-            continue
-        sizes: List[Tuple[str, Optional[int]]] = [(f"top {k}", k), (f"top {2 * k}", 2 * k)]
-        if not name.startswith("window ") and k >= 2:  # fewer, surer reads ahead
-            sizes.insert(0, (f"top {k // 2}", k // 2))
-        if name.startswith("window "):
-            n = int(name.split()[1])
-            # a window of n tokens names at most n * k experts: larger sets are its union
-            sizes = [(lab, m) for lab, m in sizes if m is None or m < n * k] + [("union", None)]
-        for label, m in sizes:
-            masks = [top_mask(s, m) for s in per_layer if s is not None]
-            named = sum(int(p.sum()) for p in masks)
-            hit = sum(int((p & r).sum()) for p, r in zip(masks, routed))
-            cov = [coverage(p, r, s) for p, r, s in zip(masks, routed, resident)]
-            rows.append(
-                {
-                    "predictor": name,
-                    "set": label,
-                    "size": named / max(tokens * len(layers), 1),
-                    "recall": hit / max(sum(int(r.sum()) for r in routed), 1),
-                    "covered": sum(c[1] for c in cov) / max(misses, 1),
-                    "wasted_per_token": sum(c[2] for c in cov) / max(tokens, 1),
-                }
-            )
-    by_layer = {
-        name: [recall(top_mask(sc, k), r) for sc, r in zip(per_layer, routed) if sc is not None]
-        for name, per_layer in scores.items()
-        if name == "window 1" or not name.startswith("window ")
-    }
-    return {
-        "layers": layers,
-        "tokens": tokens,
-        "budget": budget,
-        "misses_per_token": misses / max(tokens, 1),
-        "rows": rows,
-        "by_layer": {n: v for n, v in by_layer.items() if len(v) == len(layers)},
-    }
 
 
 def reuse_table(trace: RoutingTrace, windows: Sequence[int]) -> List[dict]:
@@ -826,23 +606,17 @@ def skew_table(trace: RoutingTrace) -> dict:
 def analyze(
     trace: RoutingTrace,
     budgets: Sequence[float] = (0.1, 0.25, 0.5),
-    half_lives: Sequence[float] = (8.0,),
     windows: Sequence[int] = (1, 2, 4, 8, 12, 16),
-    prefetch_budget: float = 0.25,
-    predictor_windows: Sequence[int] = (1, 2, 4, 8, 16),
 ) -> dict:
     """Everything the benchmark reports about one trace.
 
     Args:
         trace: the recording.
         budgets: replay budgets (fractions of each layer's experts).
-        half_lives: the decay policy's half-lives.
         windows: window sizes for reuse.
-        prefetch_budget: the LRU cache the predictors' reads ahead are measured beside.
-        predictor_windows: window sizes for the window predictors.
 
     Returns:
-        ``{"meta", "shape", "skew", "reuse", "predictors", "replay", "page_cache"}``.
+        ``{"meta", "shape", "skew", "reuse", "replay", "page_cache"}``.
     """
     return {
         "meta": trace.meta,
@@ -851,12 +625,10 @@ def analyze(
             "layers": trace.layers,
             "num_experts": trace.num_experts,
             "top_k": trace.top_k,
-            "eval_from": trace.eval_from,
         },
         "skew": skew_table(trace),
         "reuse": reuse_table(trace, windows),
-        "predictors": predictor_table(trace, predictor_windows, prefetch_budget),
-        "replay": replay_table(trace, budgets, half_lives),
+        "replay": replay_table(trace, budgets),
         "page_cache": page_cache_table(trace),
     }
 
@@ -905,7 +677,6 @@ def format_report(result: dict) -> str:
             ]
         )
     )
-    uniform = 1 / max(experts)
     lines += [
         "",
         "### Reuse: routed experts the same layer used in the last N tokens",
@@ -918,37 +689,6 @@ def format_report(result: dict) -> str:
             f"| {r['window']} | {_pct(r['reuse'])} | {r['distinct']:.1f} | "
             f"{_pct(r['distinct_share'])} |"
         )
-    p = result["predictors"]
-    if p["rows"]:
-        lines += [
-            "",
-            f"### Predictors of each token's experts (layers {p['layers'][0]}-{p['layers'][-1]}, "
-            f"tokens {shape['eval_from']}-{shape['tokens'] - 1})",
-            "",
-            f"Chance recall@{k} is {_pct(k * uniform)}. Beside the package's LRU at "
-            f"{p['budget']:.0%} ({p['misses_per_token']:.2f} misses per token over these "
-            "layers): the share of those misses a predictor's reads ahead cover, and its reads "
-            "of absent experts the router did not pick (wasted), per token.",
-            "",
-            "| predictor | set | experts named | recall | misses covered | wasted reads/token |",
-            "|---|---|---|---|---|---|",
-        ]
-        for r in p["rows"]:
-            lines.append(
-                f"| {r['predictor']} | {r['set']} | {r['size']:.1f} | {_pct(r['recall'])} | "
-                f"{_pct(r['covered'])} | {r['wasted_per_token']:.2f} |"
-            )
-        by_layer = p.get("by_layer", {})
-        if by_layer:
-            lines += [
-                "",
-                f"Recall@{k} by predicted layer:",
-                "",
-                "| predictor | " + " | ".join(f"layer {i}" for i in p["layers"]) + " |",
-                "|---|" + "---|" * len(p["layers"]),
-            ]
-            for name, values in by_layer.items():
-                lines.append(f"| {name} | " + " | ".join(_pct(v) for v in values) + " |")
     rep = result["replay"]
     cols = rep["columns"]
     lines += [
@@ -971,7 +711,7 @@ def format_report(result: dict) -> str:
     if pc:
         lines += [
             "",
-            f"### What a page cache would serve (decay slots at {pc['budget']:.0%}, "
+            f"### What a page cache would serve (transition's slots at {pc['budget']:.0%}, "
             f"{pc['misses_per_token']:.2f} misses per token)",
             "",
             "Reading uncached (`expert_io=direct`) gives these up: an LRU page cache shared by "
@@ -1005,73 +745,31 @@ def _patched_calls(sink: Callable) -> Iterator[None]:
 
 
 class _Recorder:
-    """Collects one forward pass's routing and MoE inputs, and turns them into the trace's rows
-    and predictions; the ridge maps are fitted on the first ``fit_tokens`` tokens seen (or
-    handed in already fitted: ``maps``)."""
+    """Collects one forward pass's routing and turns it into the trace's rows."""
 
-    def __init__(self, model, fit_tokens: int, alpha: float, maps: Optional[dict] = None):
+    def __init__(self, model):
         layout = model.moeflux.layout
         self.layers = sorted(layout.module_paths)
         self.num_experts = [layout.layers[i].num_experts for i in self.layers]
-        gates = next_gates(model, layout.module_paths)  # cur -> (next, its router)
-        self.pairs = sorted(gates.items())
-        self.pred_layers = [nxt for _, (nxt, _) in self.pairs]
-        self.fit_tokens = fit_tokens
-        self.alpha = alpha
-        self.seen = 0
-        self.maps: Dict[int, RidgeRouterMap] = maps if maps is not None else {}
-        self.calls: Dict[int, tuple] = {}
+        self.calls: Dict[int, np.ndarray] = {}
         self.routed: List[np.ndarray] = []
-        self.predicted: Dict[str, List[np.ndarray]] = {n: [] for n in PREDICTORS}
 
     def sink(self, layer: int, x, indices) -> None:
-        self.calls[layer] = (np.array(indices).reshape(-1, indices.shape[-1]), x)
+        self.calls[layer] = np.array(indices).reshape(-1, indices.shape[-1])
 
     def finish_pass(self) -> None:
-        """Turn the calls of the pass just run into rows: the routing, and the gate's and the
-        ridge's rankings (2 x top_k) of each next layer's experts."""
+        """Turn the calls of the pass just run into rows of the routing."""
         if set(self.calls) != set(self.layers):
             raise ValueError(f"a forward pass called layers {sorted(self.calls)}, not all of them")
-        routed = np.stack([self.calls[i][0] for i in self.layers], axis=1)
-        n, k = routed.shape[0], routed.shape[2]
-        m = min(2 * k, min(self.num_experts))
-        pos = self.seen + np.arange(n)
-        fit, ev = pos < self.fit_tokens, pos >= self.fit_tokens
-        gate_rows, ridge_rows = [], []
-        for cur, (nxt, router) in self.pairs:
-            x_cur = self.calls[cur][1].reshape(-1, self.calls[cur][1].shape[-1])
-            x_nxt = self.calls[nxt][1].reshape(-1, self.calls[nxt][1].shape[-1])
-            gate = np.array(router_scores(router, x_cur).astype(mx.float32))
-            xc = np.array(x_cur.astype(mx.float32))
-            rmap = self.maps.get(cur)
-            if rmap is None:
-                rmap = self.maps[cur] = RidgeRouterMap(xc.shape[1], gate.shape[1], self.alpha)
-            if fit.any():  # the next layer's own scores on its own input: what to predict
-                target = np.array(router_scores(router, x_nxt).astype(mx.float32))
-                rmap.add(xc[fit], target[fit])
-            if ev.any():
-                if rmap.weight is None or fit.any():
-                    rmap.solve()
-                gate_rows.append(top_experts(gate[ev], m))
-                ridge_rows.append(rmap.predict(xc[ev], m))
-        self.routed.append(routed)
-        if ev.any() and self.pairs:
-            self.predicted["gate"].append(np.stack(gate_rows, axis=1))
-            self.predicted["ridge"].append(np.stack(ridge_rows, axis=1))
-        self.seen += n
+        self.routed.append(np.stack([self.calls[i] for i in self.layers], axis=1))
         self.calls.clear()
 
     def trace(self, tokens: np.ndarray, meta: dict) -> RoutingTrace:
-        routed = np.concatenate(self.routed)
-        predicted = {name: np.concatenate(rows) for name, rows in self.predicted.items() if rows}
         return RoutingTrace(
-            routed=routed,
+            routed=np.concatenate(self.routed),
             layers=self.layers,
             num_experts=self.num_experts,
             tokens=np.asarray(tokens, np.int64),
-            predicted=predicted,
-            pred_layers=self.pred_layers if predicted else [],
-            eval_from=min(self.fit_tokens, routed.shape[0]),
             meta=meta,
         )
 
@@ -1089,24 +787,19 @@ def record_text(
     model_path: Union[str, Path],
     tokens: np.ndarray,
     context: int = 512,
-    fit_tokens: int = 2048,
-    alpha: float = 1e-3,
     decode: int = 0,
     prompt_tokens: int = 64,
     meta: Optional[dict] = None,
 ) -> Tuple[RoutingTrace, Optional[RoutingTrace]]:
     """Record the routing of a text, teacher-forced: one forward pass per ``context`` tokens
     (each window on its own, no cache), every expert resident (``cache_budget="all"``, ops).
-    The ridge maps are fitted on the first ``fit_tokens`` tokens and predict the rest. With
-    ``decode``, also a greedy decode of that many tokens from the text's first
-    ``prompt_tokens``, whose ridge predictions use the maps fitted on the text.
+    With ``decode``, also a greedy decode of that many tokens from the text's first
+    ``prompt_tokens``.
 
     Args:
         model_path: any checkpoint ``moeflux_mlx.load`` opens (plain or converted).
         tokens: the text's token ids.
         context: tokens per forward pass.
-        fit_tokens: tokens the ridge maps are fitted on (a pass may straddle it).
-        alpha: the ridge strength (``RidgeRouterMap``).
         decode: greedy decode tokens (0: none).
         prompt_tokens: the decode's prompt, from the start of the text.
         meta: added to each trace's ``meta``.
@@ -1115,29 +808,28 @@ def record_text(
         ``(text_trace, decode_trace or None)``.
 
     Raises:
-        ValueError: the text has a token id the model's vocabulary lacks, or no token after
-            ``fit_tokens``.
+        ValueError: the text has a token id the model's vocabulary lacks, or no tokens.
     """
     tokens = np.asarray(tokens, np.int64)
-    if tokens.size <= fit_tokens:
-        raise ValueError(f"{tokens.size} tokens leave none to evaluate after {fit_tokens}")
+    if not tokens.size:
+        raise ValueError("no tokens to record")
     model, _ = load(model_path, cache_budget="all", backend="ops")
     vocab = _vocab_size(model)
     if vocab is not None and int(tokens.max()) >= vocab:
         raise ValueError(
             f"token id {int(tokens.max())} is outside the model's vocabulary ({vocab})"
         )
-    base = {"model": str(model_path), "context": context, "alpha": alpha, **(meta or {})}
+    base = {"model": str(model_path), "context": context, **(meta or {})}
     with model.moeflux:
-        rec = _Recorder(model, fit_tokens, alpha)
+        rec = _Recorder(model)
         with _patched_calls(rec.sink):
             for start in range(0, tokens.size, context):
                 mx.eval(model(mx.array(tokens[start : start + context])[None]))
                 rec.finish_pass()
-        text = rec.trace(tokens, {**base, "mode": "teacher-forced", "fit_tokens": fit_tokens})
+        text = rec.trace(tokens, {**base, "mode": "teacher-forced"})
         if not decode:
             return text, None
-        drec = _Recorder(model, 0, alpha, maps=rec.maps)
+        drec = _Recorder(model)
         out: List[int] = []
         with _patched_calls(drec.sink):
             # generate_step runs one token ahead: when it yields token y, the last pass run
