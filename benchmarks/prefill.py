@@ -12,20 +12,15 @@ evaluation, as ``mlx_lm.generate_step`` does it, until the token is in hand) and
 (adding the next token's step, which ``generate_step`` queues first), each with its ratio to stock;
 the bytes read, the pure read time of those very reads (replayed through the store alone, same I/O
 mode and page-cache state, right after the prefill), and the overhead beyond the reads: moeflux -
-stock - read time. ``--prefill-whole-layer 4,0`` runs the option's values side by side (0: one host
-sync per layer and call, the path before whole-layer reads); ``--read-ahead on,off`` and
-``--threads 8,16`` run whole-layer reads with and without the next layer read in the background,
-and with that many read threads; ``--warm-read-threads 4,0`` with small reads from the page cache
-on 4 threads or on all; ``--dma on,off`` with the layers copied to the GPU by its copy
-engines or by a kernel; ``--warm-slots on,off`` with and without each layer's slots refilled from
-the prompt's most-routed experts; ``--pin-experts on,off`` with the steps after the prompt
-copying their misses on the GPU out of the page-locked expert files or the miss server reading
-them; ``--prefetch on,off`` (with a routing trace, and
-``--trace-predictor ridge``) with and without the steps after the prompt (its last token, then the
-first generated) reading the next layer's predicted experts ahead. With ``--routing-trace`` each
-round replays another window of the trace (every configuration the same one), so no round finds the
-previous round's last experts waiting in the slots. Writes ``DATE-MACHINE-prefill.{md,json}`` to
-``--out`` (never overwriting).
+stock - read time. ``--prefill-whole-layer 4,0`` runs the machine setting's values side by side
+(``Tuning.prefill_whole_layer``; 0: one host sync per layer and call, the path before whole-layer
+reads, which always read the next layer ahead); ``--threads 8,16`` with that many read threads;
+``--warm-read-threads 4,0`` with small reads from the page cache on 4 threads or on all (both
+``Tuning`` fields too); ``--pin-experts on,off`` with the steps after the prompt copying their
+misses on the GPU out of the page-locked expert files or the miss server reading them. With
+``--routing-trace`` each round replays another window of the trace (every configuration the same
+one), so no round finds the previous round's last experts waiting in the slots. Writes
+``DATE-MACHINE-prefill.{md,json}`` to ``--out`` (never overwriting).
 """
 
 import argparse
@@ -60,6 +55,7 @@ from moeflux_mlx.format.checkpoint import expert_layout  # noqa: E402
 from moeflux_mlx.io.bandwidth import drop_page_cache, expert_files  # noqa: E402
 from moeflux_mlx.measure import free_stem, machine_name, machine_tag  # noqa: E402
 from moeflux_mlx.options import DEFAULT_THREADS, DEFAULT_WARM_READ_THREADS  # noqa: E402
+from tests.support.tuning import tuned  # noqa: E402
 
 
 def _floats(text: str):
@@ -117,35 +113,27 @@ class ReadLog:
         return time.perf_counter() - t0
 
 
-# the per-model switches, as (argument, load option's variable, name when on, name when off);
-# each runs side by side only where layers are read whole, except prefetch (the steps after)
-SWITCHES = (
-    ("read_ahead", "MOEFLUX_PREFILL_READ_AHEAD", "ahead", "no ahead"),
-    ("dma", "MOEFLUX_PREFILL_DMA", "copy engines", "copy kernel"),
-    ("warm_slots", "MOEFLUX_PREFILL_WARM_SLOTS", "warm slots", "cold slots"),
-    ("pin_experts", "MOEFLUX_PIN_EXPERTS", "pinned", "unpinned"),
-)
+# the per-model switches, as (argument, name when on, name when off); each runs side by side only
+# where layers are read whole
+SWITCHES = (("pin_experts", "pinned", "unpinned"),)
 
 
 def _variants(args):
-    """(prefill_whole_layer, {switch: on}, prefetch, threads, warm read threads) of each moeflux
+    """(prefill_whole_layer, {switch: on}, threads, warm read threads) of each moeflux
     configuration: the whole-layer switches varied only where layers are read whole."""
     names = [arg for arg, *_ in SWITCHES]
     for whole in args.prefill_whole_layer:
         values = [getattr(args, a) if whole else getattr(args, a)[:1] for a in names]
         for ons in itertools.product(*values):
-            for prefetch in args.prefetch:
-                for threads, warm in itertools.product(args.threads, args.warm_read_threads):
-                    yield whole, dict(zip(names, ons)), prefetch, threads, warm
+            for threads, warm in itertools.product(args.threads, args.warm_read_threads):
+                yield whole, dict(zip(names, ons)), threads, warm
 
 
-def _variant_name(args, io_mode, frac, whole, switches, prefetch, threads, warm) -> str:
+def _variant_name(args, io_mode, frac, whole, switches, threads, warm) -> str:
     name = f"moeflux {io_mode} {frac:.0%} whole={whole:g}"
-    for arg, _, on, off in SWITCHES:
+    for arg, on, off in SWITCHES:
         if whole and len(getattr(args, arg)) > 1:
             name += f" {on if switches[arg] else off}"
-    if len(args.prefetch) > 1:
-        name += " prefetch" if prefetch else " no prefetch"
     if len(args.threads) > 1:
         name += f" {threads} threads"
     if len(args.warm_read_threads) > 1:
@@ -165,15 +153,14 @@ def _round_shifts(args) -> list:
     """Where in a replayed trace each round (the warm-up first) starts, past the replay's start.
 
     Every model replays the same window in a round, so configurations compare on the same
-    routing; rounds take windows spread over the replayed part (the part the trace's
-    predictions cover, with ``--trace-predictor``), so no round's steps after the prompt find
-    the experts the round before left in the slots, and no round runs past the predictions.
+    routing; rounds take windows spread over the trace, so no round's steps after the prompt
+    find the experts the round before left in the slots.
     """
     rounds = args.repeats + 1
     if args.routing_trace is None:
         return [0] * rounds
     trace = load_trace(args.routing_trace)
-    span = trace.routed.shape[0] - (trace.eval_from if args.trace_predictor else 0)
+    span = trace.routed.shape[0]
     window = args.prompt_tokens + 2  # the prompt, then the first generated token's step
     if span < window:
         raise UsageError(
@@ -185,7 +172,7 @@ def _round_shifts(args) -> list:
 
 
 def run(args) -> dict:
-    prepare = replayed_routing(args.routing_trace, args.prefetch, args.trace_predictor)
+    prepare = replayed_routing(args.routing_trace, [False])  # no prefetch: it left the package
     path, stock_path = build_model(args)
     total = expert_layout(path).total_expert_bytes
     files = expert_files(path)
@@ -195,23 +182,20 @@ def run(args) -> dict:
     logs = {}
     for io in args.io:
         for frac in args.budgets:
-            for whole, switches, prefetch, threads, warm in _variants(args):
+            for whole, switches, threads, warm in _variants(args):
                 budget = "all" if frac >= 1 else int(frac * total)
-                # the caches read these options when they are made (LoadOptions)
-                os.environ["MOEFLUX_PREFILL_WHOLE_LAYER"] = f"{whole:g}"
-                for arg, var, _, _ in SWITCHES:
-                    os.environ[var] = "on" if switches[arg] else "off"
-                os.environ["MOEFLUX_WARM_READ_THREADS"] = str(warm)
+                options = tuned(
+                    prefill_whole_layer=whole, threads=threads, warm_read_threads=warm, **switches
+                )
                 m, _ = moeflux_mlx.load(
                     path,
+                    options=options,
                     expert_io=io,
                     cache_budget=budget,
                     backend=args.bench_backend,
-                    threads=threads,
-                    prefetch=prefetch,
                 )
                 name = _variant_name(
-                    args, m.moeflux.store.io_mode, frac, whole, switches, prefetch, threads, warm
+                    args, m.moeflux.store.io_mode, frac, whole, switches, threads, warm
                 )
                 models[name] = m
                 logs[name] = ReadLog(m.moeflux.store)
@@ -251,8 +235,6 @@ def run(args) -> dict:
                         "upload_s": t.upload_s,
                         "sync_s": t.sync_s,
                         "missed": t.experts_missed,
-                        "prefetch_issued": t.prefetch_issued,
-                        "prefetch_hits": t.prefetch_hits,
                     }
                 )
                 r["read_s"].append(logs[name].replay_s(files, args.cold))
@@ -286,8 +268,6 @@ def run(args) -> dict:
                 "upload_s": statistics.median(x["upload_s"] for x in r["stats"]),
                 "sync_s": statistics.median(x["sync_s"] for x in r["stats"]),
                 "missed": statistics.median(x["missed"] for x in r["stats"]),
-                "prefetch_issued": statistics.median(x["prefetch_issued"] for x in r["stats"]),
-                "prefetch_hits": statistics.median(x["prefetch_hits"] for x in r["stats"]),
                 "token_as_stock": r["tokens"] == stock["tokens"],
             }
         )
@@ -314,15 +294,14 @@ def run(args) -> dict:
 def format_table(result: dict) -> str:
     head = (
         "| config | s to first token | x stock | s to idle | x stock | MB read | read s "
-        "| overhead beyond reads s | io s | upload s | sync s | missed | read ahead (used) "
-        "| token = stock |"
+        "| overhead beyond reads s | io s | upload s | sync s | missed | token = stock |"
     )
-    lines = [head, "|" + " --- |" * 14]
+    lines = [head, "|" + " --- |" * 13]
     for r in result["rows"]:
         if "ratio_to_stock" not in r:
             lines.append(
                 f"| {r['config']} | {r['token_seconds']:.3f} | 1.00 | {r['seconds']:.3f} | 1.00 |"
-                + " - |" * 9
+                + " - |" * 8
             )
             continue
         lines.append(
@@ -330,8 +309,7 @@ def format_table(result: dict) -> str:
             f"| {r['seconds']:.3f} | {r['ratio_to_stock']:.2f} "
             f"| {r['mb_read']:.0f} | {r['read_s']:.3f} | {r['overhead_beyond_reads_s']:+.2f} "
             f"| {r['io_s']:.3f} | {r['upload_s']:.3f} | {r['sync_s']:.2f} "
-            f"| {r['missed']:.0f} | {r['prefetch_issued']:.0f} ({r['prefetch_hits']:.0f}) "
-            f"| {'yes' if r['token_as_stock'] else 'NO'} |"
+            f"| {r['missed']:.0f} | {'yes' if r['token_as_stock'] else 'NO'} |"
         )
     return "\n".join(lines)
 
@@ -357,8 +335,7 @@ def write(result: dict, out: Path, stem: str) -> list:
                 "reads: moeflux - stock - read s, to idle (per round, median). sync s includes the device's "
                 "computation before each layer's router indices. missed: experts not resident "
                 "when a call asked (a whole-layer call counts every expert its rows routed; the "
-                "rest are the steps after the prompt); read ahead (used): experts prefetch "
-                "read, and of those the ones a miss then took. With a routing trace, each round "
+                "rest are the steps after the prompt). With a routing trace, each round "
                 "replays another window of it, every configuration the same.",
                 "",
                 format_table(result),
@@ -383,27 +360,8 @@ def main(argv=None) -> int:
         "--prefill-whole-layer",
         type=_floats,
         default=[4.0, 0.0],
-        help="values of the load option to run side by side (default 4,0; 0: synced path)",
-    )
-    p.add_argument(
-        "--read-ahead",
-        type=_switches,
-        default=[True],
-        help="on,off: whole-layer reads with and without the next layer read ahead (default on)",
-    )
-    p.add_argument(
-        "--dma",
-        type=_switches,
-        default=[False],
-        help="on,off: whole layers to the GPU on its copy engines, or by a copy kernel out of "
-        "mapped staging (the load option prefill_dma; default off, as the option's)",
-    )
-    p.add_argument(
-        "--warm-slots",
-        type=_switches,
-        default=[False],
-        help="on,off: each layer's slots refilled from the prompt's most-routed experts, or "
-        "left as they were (the load option prefill_warm_slots; default off, as the option's)",
+        help="values of Tuning.prefill_whole_layer to run side by side (default 4,0; 0: synced "
+        "path)",
     )
     p.add_argument(
         "--pin-experts",
@@ -414,31 +372,18 @@ def main(argv=None) -> int:
         "default off, as the option's)",
     )
     p.add_argument(
-        "--prefetch",
-        type=_switches,
-        default=[False],
-        help="on,off: the steps after the prompt read ahead what the next layer is predicted "
-        "to route to (the load option prefetch; with --routing-trace, also --trace-predictor)",
-    )
-    p.add_argument(
-        "--trace-predictor",
-        choices=["gate", "ridge"],
-        default=None,
-        help="with --routing-trace: replay from where the trace's predictions start and hand "
-        "prefetch what this predictor predicted there",
-    )
-    p.add_argument(
         "--threads",
         type=_ints,
         default=[DEFAULT_THREADS],
-        help=f"read threads, e.g. 8,16 (default: the package's, {DEFAULT_THREADS} here)",
+        help=f"read threads (Tuning.threads), e.g. 8,16 (default: the package's, "
+        f"{DEFAULT_THREADS} here)",
     )
     p.add_argument(
         "--warm-read-threads",
         type=_ints,
         default=[DEFAULT_WARM_READ_THREADS],
         help="threads of a read of a few experts that the page cache holds, e.g. 4,0 (0: every "
-        f"thread; the load option warm_read_threads, default {DEFAULT_WARM_READ_THREADS})",
+        f"thread; Tuning.warm_read_threads, default {DEFAULT_WARM_READ_THREADS})",
     )
     p.add_argument("--bench-backend", default=None, help="expert backend (default: auto)")
     p.add_argument("--cold", action="store_true", help="drop the page cache before each run")

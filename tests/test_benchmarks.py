@@ -331,51 +331,48 @@ def _benchmark_script(name):
 
 
 def test_prefill_benchmark_variants():
-    """The prefill benchmark's configurations: the whole-layer switches are varied only where
-    layers are read whole, prefetch and threads everywhere, and each name says what varies."""
+    """The prefill benchmark's configurations: the whole-layer switches (pinning) are varied
+    only where layers are read whole, the read threads (Tuning) everywhere, and each name says
+    what varies."""
     pf = _benchmark_script("prefill")
     p = argparse.Namespace(
         prefill_whole_layer=[4.0, 0.0],
-        read_ahead=[True, False],
-        dma=[False],
-        warm_slots=[False],
         pin_experts=[True, False],
-        prefetch=[True, False],
         threads=[8],
         warm_read_threads=[4, 0],
     )
     runs = list(pf._variants(p))
-    # whole: ahead x pinned x prefetch; synced: prefetch only
-    assert len(runs) == (2 * 2 * 2 + 2) * 2
+    # whole: pinned x warm threads; synced: warm threads only
+    assert len(runs) == (2 * 2) + 2
     names = {pf._variant_name(p, "pread", 0.25, *r) for r in runs}
     assert len(names) == len(runs)
-    assert "moeflux pread 25% whole=4 no ahead pinned prefetch warm reads on 4" in names
-    assert "moeflux pread 25% whole=0 no prefetch warm reads on all" in names
-    # prefetch would predict from the routers a trace replaces
-    with pytest.raises(cli.UsageError, match="--trace-predictor"):
-        pf.replayed_routing(Path("t.npz"), [True, False], None)
+    assert "moeflux pread 25% whole=4 pinned warm reads on 4" in names
+    assert "moeflux pread 25% whole=0 warm reads on all" in names
+    whole, switches, threads, warm = runs[0]
+    options = pf.tuned(
+        prefill_whole_layer=whole, threads=threads, warm_read_threads=warm, **switches
+    )
+    assert options.pin_experts and options.tuning.prefill_whole_layer == 4.0
+    assert (options.tuning.threads, options.tuning.warm_read_threads) == (8, 4)
 
 
 def test_prefill_rounds_take_distinct_windows_within_the_replayed_trace(tmp_path):
     """With a routing trace every round (the warm-up first) replays its own window, all inside
-    the part that is replayed (where the predictions are, with a predictor), so no round's
-    steps after the prompt find the previous round's experts in the slots; a trace shorter
-    than a prompt and its two steps is refused in one line."""
+    the trace, so no round's steps after the prompt find the previous round's experts in the
+    slots; a trace shorter than a prompt and its two steps is refused in one line."""
     pf = _benchmark_script("prefill")
     rng = np.random.default_rng(0)
     routed = np.stack([rng.choice(16, (2, 4), replace=True) for _ in range(200)])
     path = tmp_path / "t.npz"
-    RoutingTrace(routed, [0, 1], [16, 16], np.full(200, -1), eval_from=40).save(path)
-    args = argparse.Namespace(routing_trace=path, trace_predictor=None, prompt_tokens=20, repeats=4)
-    for predictor, span in ((None, 200), ("ridge", 160)):
-        args.trace_predictor = predictor
-        shifts = pf._round_shifts(args)
-        assert len(shifts) == 5 and shifts[0] == 0 and shifts[-1] + 22 <= span
-        assert all(b - a >= 22 for a, b in zip(shifts, shifts[1:]))  # no overlap here
+    RoutingTrace(routed, [0, 1], [16, 16], np.full(200, -1)).save(path)
+    args = argparse.Namespace(routing_trace=path, prompt_tokens=20, repeats=4)
+    shifts = pf._round_shifts(args)
+    assert len(shifts) == 5 and shifts[0] == 0 and shifts[-1] + 22 <= 200
+    assert all(b - a >= 22 for a, b in zip(shifts, shifts[1:]))  # no overlap here
     args.routing_trace = None
     assert pf._round_shifts(args) == [0] * 5
-    args.routing_trace, args.prompt_tokens = path, 159
-    with pytest.raises(cli.UsageError, match="160 replayable positions"):
+    args.routing_trace, args.prompt_tokens = path, 199
+    with pytest.raises(cli.UsageError, match="200 replayable positions"):
         pf._round_shifts(args)
 
 
