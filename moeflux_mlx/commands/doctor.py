@@ -33,7 +33,7 @@ import psutil
 
 from .. import __version__
 from ..cache import wired
-from ..cache.budget import slots_per_layer
+from ..cache.slots import slots_per_layer
 from ..compute import kernels as K
 from ..compute import selfcheck
 from ..compute.backend import backend_report, select_backend
@@ -194,7 +194,7 @@ def _versions() -> List[Tuple[str, str]]:
             f"{platform.platform()} ({platform.machine()}), Python {platform.python_version()}",
         ),
         ("moeflux-mlx", __version__),
-        ("mlx", mx.__version__),
+        ("mlx", selfcheck.MLX_VERSION),
         ("mlx-lm", getattr(mlx_lm, "__version__", "?")),
     ]
 
