@@ -49,6 +49,9 @@ DEFAULT_TEMP = 0.0
 DEFAULT_TOP_P = 1.0
 DEFAULT_SEED = 0
 DEMO_PROMPT = "Tell me something wise."
+# doctor and info: the heading of what the machine decided (``model.runtime.machine_choices``)
+MACHINE_HEADING = "decided by the machine"
+MACHINE_NOTE = "not load options: chosen at load for this machine"
 
 
 class UsageError(MoefluxError):
