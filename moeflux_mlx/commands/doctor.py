@@ -3,11 +3,12 @@ budget by.
 
 Prints the platform, MLX / mlx-lm versions, the device and the backend that will compute the
 experts, what the machine decided rather than an option (read threads, the device-side table,
-slot writes, whole-layer prefill), the kernels' self-check verdicts on this machine; RAM, and on Metal the recommended
-working set and the wired limit. With a MODEL: the RAM gate's choice, a recommended cache budget
-(one that fits the working set), a short measured read bandwidth of the disk holding the experts
-(cold: page cache dropped first; warm: the same reads again), the decode time per token with
-the budget's experts resident, and a forecast of decode tok/s at several budgets:
+slot writes, whole-layer prefill), the kernels' self-check verdicts on this machine; RAM, and
+on Metal the recommended working set and the wired limit. With a MODEL: the RAM gate's choice,
+a recommended cache budget (one that fits the working set), a short measured read bandwidth of
+the disk holding the experts (cold: page cache dropped first; warm: the same reads again), the
+decode time per token with the budget's experts resident, and a forecast of decode tok/s at
+several budgets:
 
     t(budget) = t_resident + (expert bytes a token misses at that budget) / read bandwidth
 
@@ -349,7 +350,7 @@ def _model_rows(path: Path, given: dict, bench: bool) -> List[Tuple[str, str]]:
         (
             "uncached reads",
             f"cold {uncached / 1e9:.2f} GB/s with expert_io=direct (bypasses the page cache: "
-            "for experts several times RAM; docs/benchmarks.md, Uncached reads)",
+            "it pays for experts several times RAM, whose reads the page cache seldom serves)",
         )
     )
     fits_page_cache = total + budget < psutil.virtual_memory().available
