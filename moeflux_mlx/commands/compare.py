@@ -7,9 +7,9 @@ full log-prob vectors of every step up to (and including) the first divergence.
 On the CPU backend the two must agree exactly (identical tokens, every log-prob equal). On a GPU
 the tokens must be identical and each step's distribution within ``--kl-tol`` of stock's (the KL
 divergence; the fused kernels round bf16 sums in another order, which moves the log-probs of
-unlikely tokens by as much as stock's own rounding does, docs/benchmarks.md), and, if given,
-every log-prob within ``--logprob-tol``. Exit status: 0 same,
-1 different, 2 error, 3 stock mlx-lm was not run (the model does not fit in memory; ``--force``).
+unlikely tokens by as much as stock's own rounding does: docs/results.md, "Correctness"), and,
+if given, every log-prob within ``--logprob-tol``. Exit status: 0 same, 1 different, 2 error, 3
+stock mlx-lm was not run (the model does not fit in memory; ``--force``).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ DEFAULT_PROMPTS = (  # the kinds of request the demo model was trained to answer
 DEFAULT_MAX_TOKENS = 32
 # Largest KL(stock || moeflux) per step accepted on a GPU, in nats. On the trained demo the
 # kernels' distributions lay at most 1.3e-2 from float32's, stock's at most 0.9e-2
-# (docs/benchmarks.md, exactness); a wrong expert or scale moves them far more.
+# (docs/results.md, "Correctness"); a wrong expert or scale moves them far more.
 GPU_KL_TOL = 0.05
 DESCRIPTION = (
     "run the same prompts greedily with stock mlx-lm and with moeflux-mlx; compare "
