@@ -51,6 +51,20 @@ def test_doctor_without_model(capsys):
     assert "MODEL" in rows["model"]
 
 
+def test_doctor_says_what_the_machine_decided(capsys):
+    """The choices that are no load options, each with why: off CUDA (this CPU machine, a Mac)
+    decode syncs with the host and slots are written from the host."""
+    assert cli.main(["doctor"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert rows["decided by the machine"] == "not load options: chosen at load for this machine"
+    assert re.fullmatch(r"\d+ \(the cores, 8 to 16\).*", rows["  read threads"])
+    assert rows["  whole-layer prefill"].startswith("from ")
+    if not mx.cuda.is_available():
+        assert rows["  device-side table"].startswith("off: one host sync per call")
+        assert rows["  slot writes"] == "host: straight into the slots' memory"
+        assert "  miss server" not in rows  # it serves the device-side table only
+
+
 def test_doctor_backend_metal_reports_metal_or_why_not(capsys):
     """``--backend metal``: the Metal kernels where Metal is; elsewhere (a CPU build, a CUDA
     GPU) the ops fallback and the reason, on every kind of host."""

@@ -154,6 +154,30 @@ def test_gpt_oss_reasons(tmp_path, capsys):
     assert "activation SwigluOAI is not plain SwiGLU" in (group["on_gpu"] or group["reason"])
 
 
+def test_info_says_what_the_machine_decided(mixed, capsys):
+    """The choices that are no load options, under their heading and in --json; off CUDA (this
+    CPU machine, a Mac) decode syncs with the host and slots are written from the host."""
+    assert cli.main(["info", str(mixed)]) == 0
+    rows = re.findall(r"^(\S.*?|  \S.*?)\s{2,}(.*)$", capsys.readouterr().out, re.M)
+    start = [k for k, _ in rows].index("decided by the machine")
+    assert rows[start][1] == "not load options: chosen at load for this machine"
+    under = {}
+    for k, v in rows[start + 1 :]:
+        if not k.startswith("  "):
+            break
+        under[k.strip()] = v
+    assert cli.main(["info", str(mixed), "--json"]) == 0
+    decided = json.loads(capsys.readouterr().out)["decided by the machine"]
+    assert under == decided  # the text and --json say the same
+    names = ["read threads", "device-side table", "slot writes", "whole-layer prefill"]
+    assert list(decided)[:4] == names
+    assert re.fullmatch(r"\d+ \(the cores, 8 to 16\).*", decided["read threads"])
+    if not mx.cuda.is_available():
+        assert list(decided) == names  # no miss server without the device-side table
+        assert decided["device-side table"].startswith("off: one host sync per call")
+        assert decided["slot writes"] == "host: straight into the slots' memory"
+
+
 def test_layer_groups_label_gaps():
     choice = LayerChoice("ops", "why")
     groups = info.group_layers({1: choice, 3: choice, 5: choice, 6: LayerChoice("cuda", "q")})

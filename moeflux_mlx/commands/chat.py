@@ -13,9 +13,10 @@ import contextlib
 import importlib
 import logging
 import re
-from typing import Iterable, List, Optional
+from typing import Generator, List, Optional
 
 from mlx_lm import stream_generate
+from mlx_lm.generate import GenerationResponse
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from ..errors import ExpertReadError
@@ -94,7 +95,9 @@ class ChatSession:
         self.cached = tokens[:keep]
         return tokens[keep:]
 
-    def send(self, text: str, lookup: Optional[dict] = None, **generate_kwargs) -> Iterable:
+    def send(
+        self, text: str, lookup: Optional[dict] = None, **generate_kwargs
+    ) -> Generator[GenerationResponse, None, None]:
         """Add the user's ``text``; stream the reply as mlx-lm ``GenerationResponse``s; with
         ``lookup`` (``stream_lookup_generate``'s keywords), by prompt-lookup speculation, whose
         drafts are also found in the conversation's earlier turns."""

@@ -16,7 +16,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -49,6 +49,9 @@ DEFAULT_TEMP = 0.0
 DEFAULT_TOP_P = 1.0
 DEFAULT_SEED = 0
 DEMO_PROMPT = "Tell me something wise."
+# doctor and info: the heading of what the machine decided (``model.runtime.machine_choices``)
+MACHINE_HEADING = "decided by the machine"
+MACHINE_NOTE = "not load options: chosen at load for this machine"
 
 
 class UsageError(MoefluxError):
@@ -125,7 +128,7 @@ SEED_MAX = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
 # The options passed to ``moeflux_mlx.load``: (flag, argparse keywords). The flag's dest is the
 # keyword of ``load``; an option left unset is not passed, so ``load``'s own default applies.
 # A new ``load`` option is one more line here.
-LOAD_OPTIONS = (
+LOAD_OPTIONS: Tuple[Tuple[str, Dict[str, Any]], ...] = (
     (
         "--expert-io",
         dict(
@@ -319,12 +322,11 @@ def gather_text(text: str, group: Optional[mx.distributed.Group]) -> List[str]:
     mx.synchronize(generation_stream)
     data = np.frombuffer(text.encode(), np.uint8)
     # on the group's own stream: the CPU's, but the GPU's under NCCL, which has no CPU path
-    sizes = mx.distributed.all_gather(mx.array([data.size]), group=group)
-    padded = np.zeros(max(int(mx.max(sizes).item()), 1), np.uint8)
+    sizes = np.array(mx.distributed.all_gather(mx.array([data.size]), group=group))
+    padded = np.zeros(max(int(sizes.max()), 1), np.uint8)
     padded[: data.size] = data
-    rows = mx.distributed.all_gather(mx.array(padded[None]), group=group)
-    rows_np, sizes_np = np.array(rows), np.array(sizes)
-    return [bytes(rows_np[r, : sizes_np[r]]).decode() for r in range(group.size())]
+    rows = np.array(mx.distributed.all_gather(mx.array(padded[None]), group=group))
+    return [bytes(rows[r, : sizes[r]]).decode() for r in range(group.size())]
 
 
 def per_rank(texts: List[str]) -> str:
@@ -519,7 +521,7 @@ def read_prompt(text: str) -> str:
         try:
             text = sys.stdin.read()
             text.encode("utf-8")  # undecodable bytes come as surrogates in a C locale
-        except UnicodeError as e:
+        except (UnicodeDecodeError, UnicodeEncodeError) as e:
             raise UsageError(f"--prompt -: standard input is not text ({e.reason})") from None
         return text.rstrip("\r\n")
     return text.replace("\\n", "\n").replace("\\t", "\t")
@@ -644,14 +646,15 @@ def _value_flags(parser: argparse.ArgumentParser, out: Optional[set] = None) -> 
     return out
 
 
-def join_dash_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list:
+def join_dash_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> List[str]:
     """``--flag -VALUE`` as ``--flag=-VALUE`` for a flag that takes one value and a value that
     is not itself a flag: argparse reads ``--cache-budget -5GB`` as two flags and answers
     "expected one argument"; joined, the value reaches the flag's own check ("is negative")."""
     flags = _value_flags(parser)
     takes_value = {flag for flag, value in flags if value}
     known = {flag for flag, _ in flags}
-    out, i = [], 0
+    out: List[str] = []
+    i = 0
     while i < len(argv):
         arg = argv[i]
         if arg == "--":

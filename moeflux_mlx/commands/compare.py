@@ -7,9 +7,9 @@ full log-prob vectors of every step up to (and including) the first divergence.
 On the CPU backend the two must agree exactly (identical tokens, every log-prob equal). On a GPU
 the tokens must be identical and each step's distribution within ``--kl-tol`` of stock's (the KL
 divergence; the fused kernels round bf16 sums in another order, which moves the log-probs of
-unlikely tokens by as much as stock's own rounding does, docs/benchmarks.md), and, if given,
-every log-prob within ``--logprob-tol``. Exit status: 0 same,
-1 different, 2 error, 3 stock mlx-lm was not run (the model does not fit in memory; ``--force``).
+unlikely tokens by as much as stock's own rounding does: docs/results.md, "Correctness"), and,
+if given, every log-prob within ``--logprob-tol``. Exit status: 0 same, 1 different, 2 error, 3
+stock mlx-lm was not run (the model does not fit in memory; ``--force``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import mlx_lm
 import numpy as np
 import psutil
 from mlx_lm.generate import generate_step
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..errors import CheckpointError
 from ..format.checkpoint import is_packed, packed_layout, scan_checkpoint
@@ -60,7 +61,7 @@ DEFAULT_PROMPTS = (  # the kinds of request the demo model was trained to answer
 DEFAULT_MAX_TOKENS = 32
 # Largest KL(stock || moeflux) per step accepted on a GPU, in nats. On the trained demo the
 # kernels' distributions lay at most 1.3e-2 from float32's, stock's at most 0.9e-2
-# (docs/benchmarks.md, exactness); a wrong expert or scale moves them far more.
+# (docs/results.md, "Correctness"); a wrong expert or scale moves them far more.
 GPU_KL_TOL = 0.05
 DESCRIPTION = (
     "run the same prompts greedily with stock mlx-lm and with moeflux-mlx; compare "
@@ -139,7 +140,9 @@ def greedy(model, prompt: Sequence[int], max_tokens: int, eos: set) -> GreedyRun
     tokens, logprobs = [], []
     tic = time.perf_counter()
     first = tic
-    for n, (token, lp) in enumerate(generate_step(mx.array(prompt), model, max_tokens=max_tokens)):
+    for n, (token, lp) in enumerate(
+        generate_step(mx.array(list(prompt)), model, max_tokens=max_tokens)
+    ):
         if n == 0:
             first = time.perf_counter()
         tokens.append(int(token))
@@ -307,7 +310,7 @@ def compare(
                 f"{STOCK_MEMORY_FRACTION:.0%} of the {fmt_bytes(avail)} available"
             )
         say(f"stock mlx-lm: loading {model_path} ({fmt_bytes(need)} of weights) ...")
-        model, tokenizer = mlx_lm.load(str(model_path))
+        model, tokenizer = mlx_lm.load(str(model_path))[:2]  # no config: not asked for it
         tokens = [prompt_tokens(tokenizer, p, use_chat_template=use_chat_template) for p in prompts]
         eos = set(tokenizer.eos_token_ids)
         stock_runs = _run_all(model, tokens, max_tokens, eos)
@@ -322,8 +325,11 @@ def compare(
         )
 
     say(f"moeflux-mlx: loading {moeflux_path} ...")
-    model, tokenizer = load(moeflux_path, **(load_options or {}))
+    model, loaded = load(moeflux_path, **(load_options or {}))
     try:
+        # load hands back mlx-lm's own tokenizer, though it promises only an object
+        assert isinstance(loaded, TokenizerWrapper), type(loaded)
+        tokenizer = loaded
         if tokens is None:
             tokens = [
                 prompt_tokens(tokenizer, p, use_chat_template=use_chat_template) for p in prompts
@@ -353,7 +359,7 @@ def _short(text: str, width: int = 32) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def _num(x: float, fmt: str = ".1f") -> str:
+def _num(x: Optional[float], fmt: str = ".1f") -> str:
     return "-" if x is None or math.isnan(x) else format(x, fmt)
 
 

@@ -2,11 +2,13 @@
 budget by.
 
 Prints the platform, MLX / mlx-lm versions, the device and the backend that will compute the
-experts, the kernels' self-check verdicts on this machine; RAM, and on Metal the recommended
-working set and the wired limit. With a MODEL: the RAM gate's choice, a recommended cache budget
-(one that fits the working set), a short measured read bandwidth of the disk holding the experts
-(cold: page cache dropped first; warm: the same reads again), the decode time per token with
-the budget's experts resident, and a forecast of decode tok/s at several budgets:
+experts, what the machine decided rather than an option (read threads, the device-side table,
+slot writes, whole-layer prefill), the kernels' self-check verdicts on this machine; RAM, and
+on Metal the recommended working set and the wired limit. With a MODEL: the RAM gate's choice,
+a recommended cache budget (one that fits the working set), a short measured read bandwidth of
+the disk holding the experts (cold: page cache dropped first; warm: the same reads again), the
+decode time per token with the budget's experts resident, and a forecast of decode tok/s at
+several budgets:
 
     t(budget) = t_resident + (expert bytes a token misses at that budget) / read bandwidth
 
@@ -43,8 +45,17 @@ from ..format.safetensors import index_directory
 from ..io.bandwidth import read_bandwidth
 from ..io.store import RAM_FRACTION, select_expert_io
 from ..model.load import load
+from ..model.runtime import machine_choices
 from ..options import DEFAULT_RAM_FRACTION, LoadOptions, parse_budget
-from .common import add_load_args, command_parser, fmt_bytes, load_kwargs, main_for
+from .common import (
+    MACHINE_HEADING,
+    MACHINE_NOTE,
+    add_load_args,
+    command_parser,
+    fmt_bytes,
+    load_kwargs,
+    main_for,
+)
 
 DESCRIPTION = (
     "what to paste into a bug report: platform, versions, device, kernel self-check, memory; "
@@ -194,7 +205,7 @@ def _versions() -> List[Tuple[str, str]]:
             f"{platform.platform()} ({platform.machine()}), Python {platform.python_version()}",
         ),
         ("moeflux-mlx", __version__),
-        ("mlx", mx.__version__),
+        ("mlx", selfcheck.MLX_VERSION),
         ("mlx-lm", getattr(mlx_lm, "__version__", "?")),
     ]
 
@@ -219,6 +230,13 @@ def _device_rows(given: dict) -> List[Tuple[str, str]]:
         backend = f"unavailable ({type(e).__name__}: {e})"
     rows.append(("backend", f"{backend} (requested: {options.backend})"))
     return rows
+
+
+def machine_rows(given: dict) -> List[Tuple[str, str]]:
+    """What the machine decides rather than a load option (``options.Tuning``), each choice and
+    why: a heading row, then one indented row each (``model.runtime.machine_choices``)."""
+    choices = machine_choices(LoadOptions.resolve(**given).tuning)
+    return [(MACHINE_HEADING, MACHINE_NOTE)] + [(f"  {what}", why) for what, why in choices]
 
 
 def _selfcheck_rows() -> List[Tuple[str, str]]:
@@ -332,7 +350,7 @@ def _model_rows(path: Path, given: dict, bench: bool) -> List[Tuple[str, str]]:
         (
             "uncached reads",
             f"cold {uncached / 1e9:.2f} GB/s with expert_io=direct (bypasses the page cache: "
-            "for experts several times RAM; docs/benchmarks.md, Uncached reads)",
+            "it pays for experts several times RAM, whose reads the page cache seldom serves)",
         )
     )
     fits_page_cache = total + budget < psutil.virtual_memory().available
@@ -411,7 +429,8 @@ def describe(model: Optional[Path], given: dict, bench: bool = True) -> List[Tup
             check_model_kernels(model, given)
         except Exception as e:  # noqa: BLE001 - the report goes on; the error is in it
             print(f"self-check of the model's kernels could not run: {type(e).__name__}: {e}")
-    rows = _versions() + _device_rows(given) + _selfcheck_rows() + _memory_rows()
+    rows = _versions() + _device_rows(given) + machine_rows(given)
+    rows += _selfcheck_rows() + _memory_rows()
     if model is not None:
         rows += _model_rows(model, given, bench)
     else:

@@ -1,6 +1,7 @@
 """``moeflux-mlx info``: what would stream from a model and how: MoE layers, experts, sizes, the
-RAM gate's choice, the cache budget, the backend, and which backend each MoE layer's decode
-calls would run on and why (``compute.backend.layer_choice``, the runtime's own decision)."""
+RAM gate's choice, the cache budget, the backend, which backend each MoE layer's decode calls
+would run on and why (``compute.backend.layer_choice``, the runtime's own decision), and what
+the machine decided rather than an option (``model.runtime.machine_choices``)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,11 @@ from ..format.layout import ModelLayout
 from ..format.safetensors import index_directory
 from ..io.store import RAM_FRACTION, open_store, select_expert_io
 from ..model.experts import build_model, find_experts
+from ..model.runtime import machine_choices
 from ..options import LoadOptions, budget_unit, parse_budget
 from .common import (
+    MACHINE_HEADING,
+    MACHINE_NOTE,
     add_load_args,
     command_parser,
     device_name,
@@ -131,7 +135,8 @@ def describe(path: Path, given: Optional[dict] = None) -> list:
 
     Returns:
         ``[(label, value), ...]``; the value of ``backend by layer`` is a list of
-        ``LayerGroup`` (or one string saying why it is unknown), every other value a string.
+        ``LayerGroup`` (or one string saying why it is unknown), that of ``decided by the
+        machine`` a list of ``(what, the choice and why)`` pairs, every other value a string.
 
     Raises:
         CheckpointError: not a usable MoE checkpoint.
@@ -224,6 +229,7 @@ def describe(path: Path, given: Optional[dict] = None) -> list:
         ("RAM", f"{fmt_bytes(ram.total)} total, {fmt_bytes(ram.available)} available"),
         ("expert I/O", f"{mode} ({why})"),
         ("expert cache", cache),
+        (MACHINE_HEADING, machine_choices(options.tuning)),
         ("backend", f"{picked} ({options.backend}, device {device_name()})"),
         ("backend by layer", list(by_layer)),
     ]
@@ -243,6 +249,8 @@ def _ranges(ids: list) -> str:
 def _json_value(value):
     if isinstance(value, str):
         return value
+    if value and isinstance(value[0], tuple):  # (what, choice) pairs
+        return dict(value)
     return [
         dict(asdict(v), label=v.label, text=str(v)) if isinstance(v, LayerGroup) else str(v)
         for v in value
@@ -255,8 +263,16 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({k: _json_value(v) for k, v in rows}, indent=1))
         return 0
-    width = max(len(k) for k, _ in rows)
+    # the pairs of a group: a heading, then one indented row each
+    flat: list = []
     for k, v in rows:
+        if v and isinstance(v, list) and isinstance(v[0], tuple):
+            flat.append((k, MACHINE_NOTE))
+            flat += [(f"  {what}", why) for what, why in v]
+        else:
+            flat.append((k, v))
+    width = max(len(k) for k, _ in flat)
+    for k, v in flat:
         lines = [v] if isinstance(v, str) else [str(x) for x in v]
         print(f"{k:<{width}}  {lines[0]}")
         for line in lines[1:]:  # one group of layers a line, under the first

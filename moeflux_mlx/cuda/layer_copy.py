@@ -5,7 +5,7 @@ A prefill at a small budget moves every expert of a layer to the device while th
 layer computes. MLX's own copy kernel launches a block for every few kilobytes and so takes
 every SM while the bytes cross PCIe: the computation beside it waits. ``layer_copy_cuda.cuh``
 keeps ``LAYER_COPY_BLOCKS`` blocks, each thread with ``DEPTH`` loads in flight, enough to fill
-the link, and leaves the other SMs to the computation (docs/benchmarks.md, "Prefill").
+the link, and leaves the other SMs to the computation.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from ..format.layout import ExpertLayout
 from . import runtime
 from .pinned_files import LayerSources
 
-# blocks of THREADS threads: a few of an H100's 132 SMs. 0: MLX's copy kernel (every SM), kept
-# for benchmarks/probes/prefill_timeline_probe.py to compare against.
+# blocks of THREADS threads: a few of an H100's 132 SMs. 0: always MLX's copy kernel (every SM),
+# the fallback a layout not aligned to 16 bytes takes anyway.
 LAYER_COPY_BLOCKS = 16
 THREADS = 256
 DEPTH = 4  # 16-byte loads in flight per thread

@@ -3,7 +3,7 @@
 Why a process and not a thread: while the GPU waits for a missed expert, the model's own thread
 may be blocked inside MLX (``mx.async_eval`` waiting on the GPU, ``mx.clear_cache``) holding
 Python's GIL, and a Python thread of that process could not run to answer: the GPU then waited
-until its timeout (benchmarks/probes/table_stall_probe.py saw no poll at all for the whole wait). This
+until its timeout (a server thread, when tried, made no poll at all for the whole wait). This
 process has its own interpreter and never imports MLX.
 
 It maps the control block and the staging buffers (shared memory, see control_block.py), opens

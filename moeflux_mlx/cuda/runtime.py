@@ -5,11 +5,11 @@ backend that view *is* the memory the kernels read, so experts are read from dis
 their pool slots ("host" slot writes, ``cache.pool``).
 
 On CUDA, MLX allocates managed memory that lives on the GPU once a kernel touched it: a host
-write then faults each page back to the host and the next kernel faults it over again, about
-2 GB/s on an H100 (benchmarks/probes/upload_probe.py). There experts are read into a staging
-array advised to stay in host memory and mapped for the GPU (``cudaMemAdvise``), and a GPU
-scatter copies them into the slots ("device" slot writes). The device-side table's control block
-and staging are page-locked shared memory mapped for the GPU (``PinnedBuffer``).
+write then faults each page back to the host and the next kernel faults it over again: 1.5-2.5
+GB/s on an H100. There experts are read into a staging array advised to stay in host memory and
+mapped for the GPU (``cudaMemAdvise``), and a GPU scatter copies them into the slots ("device"
+slot writes). The device-side table's control block and staging are page-locked shared memory
+mapped for the GPU (``PinnedBuffer``).
 """
 
 from __future__ import annotations

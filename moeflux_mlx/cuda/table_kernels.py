@@ -1,7 +1,7 @@
 """The device-side slot table: decode without a host sync per MoE layer (CUDA).
 
 With a host sync per layer the GPU idles while Python builds each layer's graph, and Python idles
-while the GPU runs it (0.6-0.8 ms per layer on an H100, docs/benchmarks.md). Here the
+while the GPU runs it (0.6-0.8 ms per layer on an H100). Here the
 expert -> slot table of each partially cached layer lives in a control block of shared memory
 that the GPU reads in place (``control_block.py``), and each decode call enqueues:
 
@@ -19,7 +19,8 @@ table (a host request) and writes them itself.
 
 The miss server is a helper process (``miss_server.py``, started by ``miss_client.py``): a
 thread of this process cannot be relied on to answer, because MLX can block this process's thread
-inside ``mx.async_eval`` while holding the GIL (benchmarks/probes/table_stall_probe.py).
+inside ``mx.async_eval`` while holding the GIL, for the whole of the GPU's wait
+(``miss_server.py`` says more).
 """
 
 from __future__ import annotations

@@ -185,8 +185,8 @@ def read_bandwidth(
     (``io_mode``, ``threads`` read threads, readahead off) one call per layer for up to
     ``BANDWIDTH_BATCH`` of them: the reads of a miss batch, but many experts deep, so that the
     disk always has work queued. No expert is read twice in a pass: reads at random offsets
-    overlap, and the bytes the page cache then serves would count as the disk's
-    (docs/benchmarks.md, "Cold 25% budget vs the I/O bound").
+    overlap, and the bytes the page cache then serves would count as the disk's. The "I/O
+    bound" that docs/results.md holds cold decode against is this rate.
 
     Args:
         path: a converted or plain checkpoint, as ``io.store.open_store`` opens it.

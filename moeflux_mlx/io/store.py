@@ -44,8 +44,7 @@ READ_PIECE_BYTES = 512 << 10
 # large, so a small read is not cut into pieces the disk serves at a lower rate.
 MIN_SHARE_BYTES = 256 << 10
 # A large call (a prefill's whole layer) is read in larger pieces, this many a share: from the
-# page cache a piece's cost is mostly its call's, so fewer, larger pieces read a layer faster
-# (docs/benchmarks.md, "Prefill").
+# page cache a piece's cost is mostly its call's, so fewer, larger pieces read a layer faster.
 PIECES_PER_SHARE = 8
 PAGE_BYTES = 4096
 # A call this small first asks the page cache, without reading, whether it holds the bytes

@@ -3,7 +3,7 @@
 Where the experts are many times RAM, a cold expert's bytes are seldom asked again before the page
 cache evicts them, and passing them through it costs a copy and the cache's bookkeeping per page:
 on an H200 VM's disk, miss batches of 2-6 experts read uncached came within 88-96% of the disk's
-stream rate against 77-89% through the cache (docs/benchmarks.md). The price is that an expert
+stream rate against 77-89% through the cache. The price is that an expert
 read again soon comes from the disk again, which is why the RAM gate never chooses this mode.
 
 On Linux a second descriptor of each expert file is opened with ``O_DIRECT``, which reads straight
