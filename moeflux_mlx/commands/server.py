@@ -747,6 +747,8 @@ class StreamingAPIHandler(mlx_server.APIHandler):
 
     def _check_models(self, body: dict) -> Tuple[str, ModelLimits]:
         requested = body.get("model") or "default_model"
+        if not isinstance(requested, str):
+            raise RequestError("model must be a string", "model")
         entry = self.models.get(requested)
         if entry is None:
             raise RequestError(
@@ -835,6 +837,12 @@ class StreamingAPIHandler(mlx_server.APIHandler):
             log.info("request refused (%d): %s", e.status, e.message)
             self._send_error(e)
             return
+        except (ConnectionError, TimeoutError):
+            raise
+        except Exception:  # noqa: BLE001 - a check's own failure: refused, never a crash
+            log.exception("request refused: its checks failed")
+            self._send_error(RequestError("the request could not be checked; see the server's log"))
+            return
         # mlx-lm's handler reads the checked body (normalized: floats where it wants floats)
         data = json.dumps(body).encode()
         rfile = self.rfile
@@ -906,6 +914,8 @@ class StreamingAPIHandler(mlx_server.APIHandler):
 
     def handle_models_request(self) -> None:
         models = [self._model(self.served_model, "moeflux-mlx")]
+        names = self.models.names() if hasattr(self.models, "names") else []
+        models += [self._model(n, "moeflux-mlx") for n in names if n != self.served_model]
         models += [m for m in self._cached_models() if m["id"] != self.served_model]
         path = urllib.parse.unquote(self.path.split("?", 1)[0])
         wanted = path[len("/v1/models/") :] if path.startswith("/v1/models/") else ""
@@ -1076,6 +1086,7 @@ class ModelTable:
         max_prompt_tokens: Optional[int] = None,
     ):
         self._entries = dict(entries)
+        self.listed: List[str] = []
         self.any_model = any_model
         self._limits = (max_tokens_limit, max_prompt_tokens)
         self._lock = threading.Lock()
@@ -1103,8 +1114,8 @@ class ModelTable:
         return entry
 
     def names(self) -> List[str]:
-        """Returns: the names given at start and the paths of the allowed models."""
-        return sorted({n for n in self._entries if n != "default_model"})
+        """Returns: the models ``--allowed-models`` names, as given (what /v1/models lists)."""
+        return list(self.listed)
 
 
 def resolve_api_key(args: argparse.Namespace) -> Optional[str]:
@@ -1150,7 +1161,9 @@ def _allowed_models(args: argparse.Namespace, served: ModelLimits) -> ModelTable
         path = resolve_model(name)
         limits = model_limits(read_config(path), args.max_tokens_limit, args.max_prompt_tokens)
         entries[name] = entries[str(path.resolve())] = (str(path.resolve()), limits)
-    return ModelTable(entries, any_model, args.max_tokens_limit, args.max_prompt_tokens)
+    table = ModelTable(entries, any_model, args.max_tokens_limit, args.max_prompt_tokens)
+    table.listed = [n for n in getattr(args, "allowed_models", None) or [] if n != "*"]
+    return table
 
 
 def serve(
@@ -1231,7 +1244,7 @@ def serve(
             httpd.max_connections or "any number of",
             IDLE_TIMEOUT_S,
             "required" if api_key else "not required",
-            "any (--allowed-models *)" if models.any_model else ", ".join(models.names()),
+            ", ".join([args.model, *models.names()] + (["any (*)"] if models.any_model else [])),
         )
         say(
             f"Serving {args.model} on http://{host}:{port}/v1 (mlx-lm server, experts streamed; "

@@ -124,9 +124,8 @@ def _int(value: Any, name: str, low: int, high: int) -> int:
     if not _is_int(value):
         raise RequestError(f"{name} must be an integer, not {_kind(value)}", name, "invalid_type")
     if not low <= value <= high:
-        raise RequestError(
-            f"{name} must be between {low} and {high}, got {value}", name, "out_of_range"
-        )
+        bound = f"at least {low}" if value < low else f"at most {high}"
+        raise RequestError(f"{name} must be {bound}, got {value}", name, "out_of_range")
     return value
 
 
@@ -135,7 +134,7 @@ def _number(value: Any, name: str, low: float, high: Optional[float]) -> float:
         why = "a finite number" if isinstance(value, float) else f"a number, not {_kind(value)}"
         raise RequestError(f"{name} must be {why}", name, "invalid_type")
     if value < low or (high is not None and value > high):
-        bound = f"between {low:g} and {high:g}" if high is not None else f"at least {low:g}"
+        bound = f"at least {low:g}" if value < low else f"at most {high:g}"
         raise RequestError(f"{name} must be {bound}, got {value}", name, "out_of_range")
     return float(value)
 
@@ -460,7 +459,14 @@ def check_request(
     if max_tokens is None:
         max_tokens, name = body.get("max_tokens"), "max_tokens"
     if max_tokens is not None:
-        _int(max_tokens, name, 1, limits.max_tokens)
+        _int(max_tokens, name, 1, 2**63)
+        if max_tokens > limits.max_tokens:
+            raise RequestError(
+                f"{name} {max_tokens} is more than this server allows ({limits.max_tokens}, "
+                "its --max-tokens-limit: by default the model's context length)",
+                name,
+                "out_of_range",
+            )
     elif default_max_tokens > limits.max_tokens:
         raise RequestError(
             f"max_tokens must be given: this server's default ({default_max_tokens}) is more "
