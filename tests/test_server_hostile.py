@@ -301,12 +301,16 @@ def test_a_client_that_leaves_during_its_prefill_frees_the_loop(server, served):
     text = log.read_text()
     progress = [int(m) for m in re.findall(r"Prompt processing progress: (\d+)/\d+", text)]
     assert progress and max(progress) < 1700, "the prefill ran to its end"
+    # idle again within a few prefill steps (a step of 64 tokens takes up to a second or so on
+    # a 2-core machine; the whole prefill, tens of seconds)
     server_process = psutil.Process(proc.pid)
-    time.sleep(1.0)
-    start = _cpu_seconds(server_process)
-    time.sleep(2.0)
-    busy = _cpu_seconds(server_process) - start
-    assert busy < 1.0, f"the server used {busy:.2f} s of CPU in 2 s after its client left"
+    deadline = time.monotonic() + 12
+    while True:
+        start = _cpu_seconds(server_process)
+        time.sleep(0.5)
+        if _cpu_seconds(server_process) - start < 0.15:
+            break
+        assert time.monotonic() < deadline, "the server is still busy after its client left"
     assert greedy(port) == before
 
 
@@ -320,7 +324,7 @@ def test_request_timeout(tmp_path):
         port,
         log,
         "--request-timeout",
-        "1",
+        "3",
         "--prefill-step-size",
         "16",
         "--max-tokens-limit",
@@ -332,7 +336,7 @@ def test_request_timeout(tmp_path):
         status, reply = request(port, "POST", "/v1/completions", text(max_tokens=2000))
         assert status == 200 and reply["choices"][0]["finish_reason"] == "length", reply
         assert reply["usage"]["completion_tokens"] < 2000
-        assert time.monotonic() - start < 10
+        assert time.monotonic() - start < 15
         status, reply = request(port, "POST", "/v1/completions", text(prompt=LONG_PROMPT, seed=1))
         assert status == 408 and reply["error"]["code"] == "request_timeout", reply
         status, _ = request(port, "POST", "/v1/completions", text(max_tokens=2))
