@@ -59,7 +59,8 @@ def _greedy(port, prompt, stream=False):
         return status, data[:200]
     if not stream:
         return status, json.loads(data)["choices"][0]["text"]
-    chunks = [json.loads(line[6:]) for line in data.decode().splitlines()]
+    lines = data.decode().splitlines()
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     return status, "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
 
 
@@ -128,7 +129,7 @@ def test_load(tmp_path):
                         _abandon(port, body, rng.uniform(0.0, 0.2), read_first=True)
                         ok, what, detail = True, "abandoned", None
                 except Exception as e:  # noqa: BLE001 - every failure is reported below
-                    ok, what, detail = False, "error", repr(e)
+                    ok, what, detail = False, "error", f"{kind:.2f}: {e!r}"
                 with lock:
                     results[what] = results.get(what, 0) + 1
                     if not ok:

@@ -955,6 +955,8 @@ class StreamingHTTPServer(ThreadingHTTPServer):
 
     daemon_threads = True  # a request still being answered does not hold the process at exit
     max_connections = 0  # 0: no limit
+    # socketserver's backlog of 5 resets clients that connect together (32 at once, say)
+    request_queue_size = 128
 
     def set_max_connections(self, n: int) -> None:
         """Args:
