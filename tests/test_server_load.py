@@ -154,7 +154,9 @@ def test_load(tmp_path):
             f"\nload: {results} in {elapsed:.1f} s; RSS {rss_before / 2**20:.0f} MiB before, "
             f"{rss_after / 2**20:.0f} MiB after"
         )
-        assert rss_after < rss_before * 1.25 + 100 * 2**20, (rss_before, rss_after)
+        # measured on a 2-core machine: 178 MiB before, 320 MiB after (MLX keeps freed buffers
+        # in its pool); a leak per request would grow far past this over the run
+        assert rss_after < rss_before * 1.25 + 200 * 2**20, (rss_before, rss_after)
     finally:
         _stop(proc)
     text = log.read_text()

@@ -12,13 +12,26 @@ The command declares mlx_lm.server's own flags (``MLX_SERVER_FLAGS``), with its 
 
 Before it listens, the command takes its port (in use: one line, exit 2) and loads the model in
 full, as ``generate`` does (a damaged model: one line, exit 2, never a server whose generation
-thread died). Its request handler (``StreamingAPIHandler``, a subclass of mlx-lm's) adds three
-things: ``max_tokens`` above ``--max-tokens-limit`` (default: the model's context length) is
-refused with 400; generation stops when the client goes away (mlx-lm stops a streamed reply
-when a write fails; a non-streamed reply writes nothing until the end, so the handler watches
-the connection between tokens); ``GET /v1/models`` lists the served model even where no Hugging
-Face cache folder exists (mlx-lm's scan of that cache raises there), and ``GET /v1/models/ID``
-returns one model.
+thread died). Its request handler (``StreamingAPIHandler``, a subclass of mlx-lm's) is made safe
+to put in front of clients; one log line at start lists every limit:
+
+- access: with ``--api-key`` / ``--api-key-file`` / ``MOEFLUX_API_KEY`` every GET and POST needs
+  ``Authorization: Bearer <key>`` (401 otherwise, compared in constant time); a request's
+  ``model`` may load only ``--model`` and ``--allowed-models`` (404 otherwise, no disk access);
+  listening beyond loopback without a key logs a warning;
+- bodies: over ``--max-body-bytes`` 413 before they are read; no length or chunked 411; not
+  JSON 415/400;
+- fields: every field mlx-lm reads is checked for type and range (OpenAI's) and against the model
+  (token ids below its vocabulary, sizes within its context) before any work
+  (``server_checks``: 400 naming the field; the same checks guard ``ResponseGenerator.generate``);
+- prompts: longer than the context or ``--max-prompt-tokens``, 400 with both counts before any
+  prefill; ``max_tokens`` above ``--max-tokens-limit`` (default: the context), 400;
+- work stops when its client leaves or ``--request-timeout`` passes, checked at every prefill
+  step and every token (mlx-lm notices a client gone only when a write fails);
+- ``--max-connections`` caps the handler threads (503 beyond), a silent client is dropped after
+  ``IDLE_TIMEOUT_S``; errors are OpenAI-shaped, their text written for the client;
+- ``GET /v1/models`` lists the served model even where no Hugging Face cache folder exists
+  (mlx-lm's scan of that cache raises there), and ``GET /v1/models/ID`` returns one model.
 
 With ``--prompt-lookup K`` the provider's draft model is a ``PromptLookup``, which holds no
 weights: being a draft model, it makes mlx-lm serve each request alone (not batched) through
@@ -108,8 +121,10 @@ EPILOG = """\
 The options after the streaming ones are mlx_lm.server's, with its defaults.
 
 Endpoints (mlx-lm): POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health.
-A request for more than --max-tokens-limit tokens is refused (400). Generation stops when the
-client disconnects. With --prompt-lookup K requests are served one at a time (not batched), each
+Every request field is checked against the model before any work (400 naming the field); prompts
+over the context or --max-prompt-tokens (400) and bodies over --max-body-bytes (413) are refused;
+--api-key requires a bearer key; --allowed-models limits what "model" may load. Generation stops
+when the client disconnects or --request-timeout passes, during the prefill too. With --prompt-lookup K requests are served one at a time (not batched), each
 drafting up to K tokens (a request's num_draft_tokens overrides K).
 """
 
