@@ -124,7 +124,8 @@ Endpoints (mlx-lm): POST /v1/chat/completions, POST /v1/completions, GET /v1/mod
 Every request field is checked against the model before any work (400 naming the field); prompts
 over the context or --max-prompt-tokens (400) and bodies over --max-body-bytes (413) are refused;
 --api-key requires a bearer key; --allowed-models limits what "model" may load. Generation stops
-when the client disconnects or --request-timeout passes, during the prefill too. With --prompt-lookup K requests are served one at a time (not batched), each
+when the client disconnects or --request-timeout passes, during the prefill too.
+With --prompt-lookup K requests are served one at a time (not batched), each
 drafting up to K tokens (a request's num_draft_tokens overrides K).
 """
 
