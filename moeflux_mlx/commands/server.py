@@ -12,13 +12,26 @@ The command declares mlx_lm.server's own flags (``MLX_SERVER_FLAGS``), with its 
 
 Before it listens, the command takes its port (in use: one line, exit 2) and loads the model in
 full, as ``generate`` does (a damaged model: one line, exit 2, never a server whose generation
-thread died). Its request handler (``StreamingAPIHandler``, a subclass of mlx-lm's) adds three
-things: ``max_tokens`` above ``--max-tokens-limit`` (default: the model's context length) is
-refused with 400; generation stops when the client goes away (mlx-lm stops a streamed reply
-when a write fails; a non-streamed reply writes nothing until the end, so the handler watches
-the connection between tokens); ``GET /v1/models`` lists the served model even where no Hugging
-Face cache folder exists (mlx-lm's scan of that cache raises there), and ``GET /v1/models/ID``
-returns one model.
+thread died). Its request handler (``StreamingAPIHandler``, a subclass of mlx-lm's) is made safe
+to put in front of clients; one log line at start lists every limit:
+
+- access: with ``--api-key`` / ``--api-key-file`` / ``MOEFLUX_API_KEY`` every GET and POST needs
+  ``Authorization: Bearer <key>`` (401 otherwise, compared in constant time); a request's
+  ``model`` may load only ``--model`` and ``--allowed-models`` (404 otherwise, no disk access);
+  listening beyond loopback without a key logs a warning;
+- bodies: over ``--max-body-bytes`` 413 before they are read; no length or chunked 411; not
+  JSON 415/400;
+- fields: every field mlx-lm reads is checked for type and range (OpenAI's) and against the model
+  (token ids below its vocabulary, sizes within its context) before any work
+  (``server_checks``: 400 naming the field; the same checks guard ``ResponseGenerator.generate``);
+- prompts: longer than the context or ``--max-prompt-tokens``, 400 with both counts before any
+  prefill; ``max_tokens`` above ``--max-tokens-limit`` (default: the context), 400;
+- work stops when its client leaves or ``--request-timeout`` passes, checked at every prefill
+  step and every token (mlx-lm notices a client gone only when a write fails);
+- ``--max-connections`` caps the handler threads (503 beyond), a silent client is dropped after
+  ``IDLE_TIMEOUT_S``; errors are OpenAI-shaped, their text written for the client;
+- ``GET /v1/models`` lists the served model even where no Hugging Face cache folder exists
+  (mlx-lm's scan of that cache raises there), and ``GET /v1/models/ID`` returns one model.
 
 With ``--prompt-lookup K`` the provider's draft model is a ``PromptLookup``, which holds no
 weights: being a draft model, it makes mlx-lm serve each request alone (not batched) through
@@ -30,8 +43,10 @@ tokens of decoding without it.
 from __future__ import annotations
 
 import argparse
+import copy
 import errno
 import gc
+import io
 import ipaddress
 import json
 import logging
@@ -45,7 +60,7 @@ import time
 import urllib.parse
 from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx_lm
@@ -81,16 +96,36 @@ from .common import (
     resolve_model,
     say,
 )
+from .server_checks import (
+    ModelLimits,
+    RequestError,
+    bearer_matches,
+    check_generation_args,
+    check_prompt_length,
+    check_request,
+)
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+DEFAULT_MAX_CONNECTIONS = 64
+IDLE_TIMEOUT_S = 60  # a client silent this long (request unsent, reply unread) is dropped
+FALLBACK_CONTEXT = 32768  # prompts and sizes where config.json gives no context length
+API_KEY_VARIABLE = "MOEFLUX_API_KEY"
+# Hugging Face tokenizers are not safe to call from two threads at once: the handlers (counting
+# a prompt's tokens) and the generation thread (tokenizing it) take turns
+TOKENIZER_LOCK = threading.Lock()
 
 DESCRIPTION = "serve a streaming model through mlx-lm's OpenAI-compatible HTTP server"
 EPILOG = """\
 The options after the streaming ones are mlx_lm.server's, with its defaults.
 
 Endpoints (mlx-lm): POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health.
-A request for more than --max-tokens-limit tokens is refused (400). Generation stops when the
-client disconnects. With --prompt-lookup K requests are served one at a time (not batched), each
+Every request field is checked against the model before any work (400 naming the field); prompts
+over the context or --max-prompt-tokens (400) and bodies over --max-body-bytes (413) are refused;
+--api-key requires a bearer key; --allowed-models limits what "model" may load. Generation stops
+when the client disconnects or --request-timeout passes, during the prefill too.
+With --prompt-lookup K requests are served one at a time (not batched), each
 drafting up to K tokens (a request's num_draft_tokens overrides K).
 """
 
@@ -104,6 +139,16 @@ def _kv_cache_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"expected a size such as 8GB or 512MB, got {text!r}"
         ) from None
+
+
+def _body_size(text: str) -> int:
+    """``--max-body-bytes``: a number of bytes, or a size such as 4MB."""
+    if text.strip().isdigit() and int(text) > 0:
+        return int(text)
+    size = _kv_cache_bytes(text)
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"expected a size above 0, got {text!r}")
+    return size
 
 
 # mlx_lm.server's flags (version 0.32), as its own ``main`` declares them: (flag, keywords).
@@ -365,24 +410,96 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         )
 
 
+class RequestAbandoned(Exception):
+    """Raised in the generation thread, from a prefill's progress callback, when the request's
+    handler has stopped it (client gone, time limit): the prefill ends between two steps."""
+
+
+class _StoppableQueue:
+    """A request's response queue, as ``ResponseGenerator._serve_single`` fills it: a progress
+    report (put between prefill steps) of a request whose context was stopped raises
+    ``RequestAbandoned`` instead, which ends the prefill there."""
+
+    def __init__(self, queue: Any):
+        self._queue, self._ctx = queue, None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._queue, name)
+
+    def put(self, item, *args, **kwargs) -> None:
+        if isinstance(item, mlx_server.GenerationContext):
+            self._ctx = item
+        elif isinstance(item, tuple) and self._ctx is not None and self._ctx._should_stop:
+            raise RequestAbandoned("the request was abandoned during its prefill")
+        self._queue.put(item, *args, **kwargs)
+
+
 class StreamingResponseGenerator(mlx_server.ResponseGenerator):
-    """mlx-lm's ``ResponseGenerator``; with prompt lookup, it gives the ``PromptLookup`` each
-    request's whole prompt (``stream_generate`` gets only the part the prompt cache lacks)."""
+    """mlx-lm's ``ResponseGenerator``, with three additions:
+
+    - ``generate`` checks a request's arguments against the model (``check_generation_args``)
+      before it is queued, so no caller can hand the sampler a token id past the vocabulary;
+    - ``_tokenize`` (in the generation thread) refuses a prompt longer than the server takes,
+      before any prefill, and shares one lock with the handlers' token counts (a Hugging Face
+      tokenizer is not safe to call from two threads at once);
+    - a request served alone (``_serve_single``: a seed, a draft model) stops between two prefill
+      steps once its context is stopped (``_StoppableQueue``); batched requests already do.
+
+    With prompt lookup, it also gives the ``PromptLookup`` each request's whole prompt
+    (``stream_generate`` gets only the part the prompt cache lacks).
+
+    ``models`` maps each model name a request may give to ``(path, ModelLimits)``; ``serve``
+    sets it (empty: no checks).
+    """
+
+    models: Any = {}  # a ModelTable (or a dict of name: (path, limits))
+
+    def limits_for(self, name: Optional[str]) -> Optional[ModelLimits]:
+        """Returns: the limits of the model a request names, or None where none are known."""
+        entry = self.models.get(name or "default_model")
+        return entry[1] if entry else None
+
+    def generate(self, request, generation_args, progress_callback=None):
+        limits = self.limits_for(generation_args.model.model)
+        if limits is not None:
+            check_generation_args(generation_args, limits)
+        return super().generate(request, generation_args, progress_callback=progress_callback)
 
     def _tokenize(self, tokenizer, request, args):
-        out = super()._tokenize(tokenizer, request, args)
+        with TOKENIZER_LOCK:
+            out = super()._tokenize(tokenizer, request, args)
+        limits = self.limits_for(args.model.model)
+        if limits is not None:
+            check_prompt_length(
+                len(out[0]), limits, "messages" if request.request_type == "chat" else "prompt"
+            )
         draft = self.model_provider.draft_model
         if isinstance(draft, PromptLookup):
             draft.prompt = list(out[0])
         return out
+
+    def _serve_single(self, request, stream):
+        rqueue, request, args = request
+        return super()._serve_single((_StoppableQueue(rqueue), request, args), stream)
 
 
 class ClientGone(ConnectionAbortedError):
     """The client closed its connection while its reply was being generated."""
 
 
+class RequestTimedOut(Exception):
+    """A request's ``--request-timeout`` passed before its first token."""
+
+
 def client_gone(sock: socket.socket) -> bool:
-    """Whether the peer of ``sock`` closed the connection (readable, and nothing to read)."""
+    """Whether the peer of ``sock`` closed the connection (readable, and nothing to read).
+
+    Args:
+        sock: the connection.
+
+    Returns:
+        True when the peer has closed it (or it is reset or closed).
+    """
     try:
         readable, _, _ = select.select([sock], [], [], 0)
         return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
@@ -391,34 +508,75 @@ def client_gone(sock: socket.socket) -> bool:
 
 
 class _WatchedResponses:
-    """mlx-lm's ``ResponseGenerator`` as one request's handler sees it: its token stream stops
-    (and generation with it: ``ctx.stop()``) as soon as the client has gone away. mlx-lm notices
-    that itself only when a write fails, and a non-streamed reply writes nothing until the end."""
+    """mlx-lm's ``ResponseGenerator`` as one request's handler sees it: generation stops
+    (``ctx.stop()``) as soon as the client has gone away or the request's time limit has passed,
+    checked at every prefill progress report (one per prefill step) and every token. mlx-lm
+    notices a client gone only when a write fails, and a non-streamed reply writes nothing until
+    the end. A refusal from the generator (``RequestError``) or an internal failure is kept on
+    the handler, which answers it in OpenAI's shape (``StreamingAPIHandler``)."""
 
-    def __init__(self, inner: Any, handler: mlx_server.APIHandler):
+    def __init__(self, inner: Any, handler: StreamingAPIHandler):
         self._inner, self._handler = inner, handler
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
     def generate(self, request, args, progress_callback=None):
-        ctx, responses = self._inner.generate(request, args, progress_callback=progress_callback)
+        holder: dict = {}
+
+        def progress(done: int, total: int) -> None:
+            self._check(holder.get("ctx"), f"during its prefill ({done}/{total} prompt tokens)")
+            if progress_callback is not None:
+                progress_callback(done, total)
+
+        try:
+            ctx, responses = self._inner.generate(request, args, progress_callback=progress)
+        except RequestError as e:
+            self._handler._pending_error = e
+            raise
+        except Exception as e:
+            log.error("request failed before its first token: %s: %s", type(e).__name__, e)
+            self._handler._pending_error = RequestError(
+                "the server could not generate a reply (see its log)",
+                status=500,
+                kind="server_error",
+            )
+            raise
+        holder["ctx"] = ctx
         return ctx, self._watch(ctx, responses)
+
+    def _check(self, ctx, when: str) -> None:
+        handler = self._handler
+        if client_gone(handler.connection):
+            if ctx is not None:
+                ctx.stop()
+            raise ClientGone(f"the client went away {when}: generation stopped")
+        if handler._deadline is not None and time.monotonic() > handler._deadline:
+            if ctx is not None:
+                ctx.stop()
+            raise RequestTimedOut(f"--request-timeout passed {when}")
 
     def _watch(self, ctx, responses):
         n = 0
         for response in responses:
-            yield response
             n += 1
-            if client_gone(self._handler.connection):
-                ctx.stop()
-                raise ClientGone(f"the client went away after {n} tokens: generation stopped")
+            try:
+                self._check(ctx, f"after {n} tokens")
+            except RequestTimedOut:
+                log.info("--request-timeout passed after %d tokens: generation stopped", n)
+                if response.finish_reason is None:
+                    response.finish_reason = "length"
+                yield response
+                return
+            yield response
 
 
 class _OpenAIErrors:
     """The handler's output, with mlx-lm's error bodies (``{"error": "text"}``) in OpenAI's
     shape (``{"error": {"message": "text", ...}}``), the one clients read the message from (the
-    ``openai`` package shows only "Error code: 400" otherwise). Everything else passes as is."""
+    ``openai`` package shows only "Error code: 400" otherwise). An error the handler kept
+    (``_pending_error``) replaces mlx-lm's text, which would be an internal exception's.
+    Everything else passes as is."""
 
     def __init__(self, out: Any, handler: StreamingAPIHandler):
         self._out, self._handler = out, handler
@@ -429,29 +587,56 @@ class _OpenAIErrors:
     def write(self, data) -> int:
         status = getattr(self._handler, "_status", 200)
         if status >= 400 and bytes(data[:10]).startswith(b'{"error":'):
+            pending = getattr(self._handler, "_pending_error", None)
             try:
                 body = json.loads(bytes(data))
             except ValueError:
                 body = None
-            if isinstance(body, dict) and isinstance(body.get("error"), str):
+            if pending is not None:
+                data = json.dumps(pending.body()).encode()
+            elif isinstance(body, dict) and isinstance(body.get("error"), str):
                 kind = "invalid_request_error" if status < 500 else "server_error"
                 error = {"message": body["error"], "type": kind, "param": None, "code": None}
                 data = json.dumps({"error": error}).encode()
         return self._out.write(data)
 
 
-class StreamingAPIHandler(mlx_server.APIHandler):
-    """mlx-lm's request handler with a ``max_tokens`` cap, generation stopped when the client
-    disconnects, and a ``/v1/models`` that always lists the served model.
+def _reject_constant(name: str) -> None:
+    raise RequestError(f"the request body is not JSON ({name} is not a JSON number)")
 
-    ``serve`` makes a subclass that sets ``served_model`` (the id the model is listed under: its
-    resolved path, as mlx-lm names it) and ``max_tokens_limit`` (None: no cap)."""
+
+class StreamingAPIHandler(mlx_server.APIHandler):
+    """mlx-lm's request handler, made safe to put in front of clients:
+
+    - with ``api_key`` set, every GET and POST needs ``Authorization: Bearer <key>`` (401);
+    - a POST body is refused before it is read when it is larger than ``max_body_bytes`` (413)
+      or has no length (411), and before any work when it is not UTF-8 JSON (400) or any field
+      is out of type or range for this model (400 naming the field; ``server_checks``);
+    - a request's ``model`` must be one of ``models`` (404, without touching the disk);
+    - a prompt longer than the model's limits is refused with both counts before any prefill;
+    - generation stops when the client disconnects or ``request_timeout`` passes, during the
+      prefill too (``_WatchedResponses``);
+    - ``GET /v1/models`` lists the served model even where no Hugging Face cache folder
+      exists, and ``GET /v1/models/ID`` returns one model;
+    - every error is in OpenAI's shape, its text written for the client.
+
+    ``serve`` makes a subclass that sets the class attributes below. A silent client is dropped
+    after ``timeout`` seconds (``IDLE_TIMEOUT_S``: reading its request, or writing to it).
+    """
 
     served_model: str = ""
     max_tokens_limit: Optional[int] = None
+    models: Any = {}  # a ModelTable
+    api_key: Optional[str] = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    request_timeout: float = 0.0
+    default_max_tokens: int = 512
+    timeout = IDLE_TIMEOUT_S
 
     def __init__(self, response_generator, *args, **kwargs):
         self._status = 200
+        self._pending_error: Optional[RequestError] = None
+        self._deadline: Optional[float] = None
         super().__init__(_WatchedResponses(response_generator, self), *args, **kwargs)
 
     def setup(self) -> None:
@@ -461,6 +646,249 @@ class StreamingAPIHandler(mlx_server.APIHandler):
     def send_response(self, code, message=None) -> None:
         self._status = code
         super().send_response(code, message)
+
+    def _set_completion_headers(self, status_code: int = 200) -> None:
+        # mlx-lm answers any failure of ``generate`` with 404; a kept error has its own status
+        if status_code == 404 and self._pending_error is not None:
+            status_code = self._pending_error.status
+        super()._set_completion_headers(status_code)
+
+    def log_message(self, format, *args) -> None:
+        log.info("%s %s", self.address_string(), format % args)
+
+    # ----------------------------------------------------------------- errors and access
+    def _send_error(self, error: RequestError, headers: Optional[dict] = None) -> None:
+        self._pending_error = None
+        data = json.dumps(error.body()).encode()
+        self._set_completion_headers(error.status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        self.wfile.flush()
+
+    def _authorized(self) -> bool:
+        """Sends 401 and returns False when a key is required and not given."""
+        if self.api_key is None or bearer_matches(self.headers.get("Authorization"), self.api_key):
+            return True
+        self.close_connection = True
+        self._send_error(
+            RequestError(
+                "a valid API key is required: send it as 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                status=401,
+                kind="authentication_error",
+            ),
+            {"WWW-Authenticate": "Bearer"},
+        )
+        return False
+
+    def _not_found(self) -> None:
+        self._send_error(
+            RequestError(
+                f"no such endpoint: {self.command} {self.path[:100]}",
+                code="not_found",
+                status=404,
+            )
+        )
+
+    def do_GET(self) -> None:
+        if not self._authorized():
+            return
+        path = self.path.split("?", 1)[0]
+        if path == "/v1/models" or path.startswith("/v1/models/") or path == "/health":
+            super().do_GET()
+        else:
+            self._not_found()
+
+    # ----------------------------------------------------------------- POST
+    def _read_body(self) -> Any:
+        """The request's JSON body, its size and encoding checked before it is parsed.
+
+        Raises:
+            RequestError: 411 (no Content-Length, or chunked), 413 (too large), 415 (not
+                JSON's content type), 400 (short, not UTF-8, not JSON).
+        """
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            self.close_connection = True
+            raise RequestError(
+                "chunked request bodies are not accepted: send a Content-Length",
+                code="length_required",
+                status=411,
+            )
+        length = self.headers.get("Content-Length")
+        if length is None:
+            self.close_connection = True
+            raise RequestError(
+                "a Content-Length header is required", code="length_required", status=411
+            )
+        if not length.strip().isdigit():
+            self.close_connection = True
+            raise RequestError("the Content-Length header is not a number of bytes")
+        size = int(length)
+        if size > self.max_body_bytes:
+            self.close_connection = True  # the body is not read: the connection cannot go on
+            raise RequestError(
+                f"the request body is {size} bytes, more than this server accepts "
+                f"({self.max_body_bytes}, its --max-body-bytes)",
+                code="request_too_large",
+                status=413,
+            )
+        kind = (self.headers.get("Content-Type") or "application/json").split(";")[0]
+        kind = kind.strip().lower()
+        if kind != "application/json" and not kind.endswith("+json"):
+            self.close_connection = True
+            raise RequestError(
+                f"the request body must be JSON (Content-Type: application/json), not {kind[:60]}",
+                code="unsupported_media_type",
+                status=415,
+            )
+        raw = self.rfile.read(size)
+        if len(raw) != size:
+            self.close_connection = True
+            raise RequestError("the request body is shorter than its Content-Length")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RequestError("the request body is not UTF-8 text") from None
+        try:
+            return json.loads(text, parse_constant=_reject_constant)
+        except RequestError:
+            raise
+        except RecursionError:
+            raise RequestError("the request body is nested too deeply") from None
+        except ValueError as e:
+            raise RequestError(f"the request body is not JSON ({e})") from None
+
+    def _check_models(self, body: dict) -> Tuple[str, ModelLimits]:
+        requested = body.get("model") or "default_model"
+        if not isinstance(requested, str):
+            raise RequestError("model must be a string", "model")
+        entry = self.models.get(requested)
+        if entry is None:
+            raise RequestError(
+                f"model {requested[:200]!r} is not served here; GET /v1/models lists what is",
+                "model",
+                "model_not_found",
+                status=404,
+            )
+        cli = self.response_generator.cli_args
+        for name, default in (("draft_model", cli.draft_model), ("adapters", cli.adapter_path)):
+            value = body.get(name)
+            if value not in (None, "default_model") and value != default:
+                raise RequestError(
+                    f"{name}: only the one given when the server started may be used",
+                    name,
+                    "model_not_found",
+                    status=404,
+                )
+        return entry
+
+    def _prompt_tokens(self, body: dict, endpoint: str, path: str) -> Optional[int]:
+        """The prompt's tokens, as mlx-lm's generation thread will count them; None where the
+        model the request names is not the one loaded (the generation thread checks it)."""
+        provider = self.response_generator.model_provider
+        tokenizer = provider.tokenizer
+        if tokenizer is None or provider.model_key is None or str(provider.model_key[0]) != path:
+            return None
+        try:
+            with TOKENIZER_LOCK:
+                if endpoint == "text":
+                    return len(tokenizer.encode(body["prompt"]))
+                messages = copy.deepcopy(body["messages"])
+                if not tokenizer.has_chat_template:
+                    text = mlx_server.convert_chat(messages, body.get("role_mapping"))
+                    return len(tokenizer.encode(text))
+                urls = mlx_server.process_message_content(
+                    messages, keep_images=provider.processor is not None
+                )
+                if urls:
+                    return None  # images: counted by the generation thread
+                kwargs = dict(self.response_generator.cli_args.chat_template_args)
+                kwargs.update(body.get("chat_template_kwargs") or {})
+                prompt = tokenizer.apply_chat_template(
+                    messages,
+                    add_generation_prompt=True,
+                    tools=body.get("tools") or None,
+                    tokenize=True,
+                    **kwargs,
+                )
+                return len(prompt)
+        except Exception as e:  # noqa: BLE001 - a template's raise_exception, a bad message
+            log.info("prompt refused: %s: %s", type(e).__name__, e)
+            why = getattr(e, "message", None) if type(e).__name__ == "TemplateError" else None
+            raise RequestError(
+                "the model's chat template cannot render these messages"
+                + (f": {str(why)[:300]}" if why else ""),
+                "messages" if endpoint == "chat" else "prompt",
+            ) from None
+
+    def do_POST(self) -> None:
+        endpoints = {
+            "/v1/completions": "text",
+            "/v1/chat/completions": "chat",
+            "/chat/completions": "chat",
+        }
+        endpoint = endpoints.get(self.path)
+        if endpoint is None:
+            self.close_connection = True
+            self._not_found()
+            return
+        if not self._authorized():
+            return
+        if self.request_timeout:
+            self._deadline = time.monotonic() + self.request_timeout
+        try:
+            body = self._read_body()
+            images = self.response_generator.model_provider.processor is not None
+            if not isinstance(body, dict):
+                check_request(body, endpoint, None, self.default_max_tokens)
+            path, limits = self._check_models(body)
+            body = check_request(body, endpoint, limits, self.default_max_tokens, images)
+            n = self._prompt_tokens(body, endpoint, path)
+            if n is not None:
+                check_prompt_length(n, limits, "messages" if endpoint == "chat" else "prompt")
+        except RequestError as e:
+            log.info("request refused (%d): %s", e.status, e.message)
+            self._send_error(e)
+            return
+        except (ConnectionError, TimeoutError):
+            raise
+        except Exception:  # noqa: BLE001 - a check's own failure: refused, never a crash
+            log.exception("request refused: its checks failed")
+            self._send_error(RequestError("the request could not be checked; see the server's log"))
+            return
+        # mlx-lm's handler reads the checked body (normalized: floats where it wants floats)
+        data = json.dumps(body).encode()
+        rfile = self.rfile
+        self.rfile = io.BytesIO(data)
+        del self.headers["Content-Length"]
+        self.headers["Content-Length"] = str(len(data))
+        try:
+            super().do_POST()
+        finally:
+            self.rfile = rfile
+
+    def handle_completion(self, request, stop_words) -> None:
+        try:
+            super().handle_completion(request, stop_words)
+        except RequestTimedOut as e:
+            log.info("%s: generation stopped", e)
+            error = RequestError(
+                f"the request took longer than this server's --request-timeout "
+                f"({self.request_timeout:g} s)",
+                code="request_timeout",
+                status=408,
+                kind="timeout_error",
+            )
+            self.close_connection = True
+            if not self.stream:  # nothing sent yet: mlx-lm's 200 is still in the buffer
+                self._headers_buffer = []
+                self._send_error(error)
+            else:
+                self.wfile.write(f"data: {json.dumps(error.body())}\n\n".encode())
+                self.wfile.flush()
 
     def validate_model_parameters(self) -> None:
         super().validate_model_parameters()
@@ -502,6 +930,8 @@ class StreamingAPIHandler(mlx_server.APIHandler):
 
     def handle_models_request(self) -> None:
         models = [self._model(self.served_model, "moeflux-mlx")]
+        names = self.models.names() if hasattr(self.models, "names") else []
+        models += [self._model(n, "moeflux-mlx") for n in names if n != self.served_model]
         models += [m for m in self._cached_models() if m["id"] != self.served_model]
         path = urllib.parse.unquote(self.path.split("?", 1)[0])
         wanted = path[len("/v1/models/") :] if path.startswith("/v1/models/") else ""
@@ -525,27 +955,57 @@ class StreamingAPIHandler(mlx_server.APIHandler):
             )
 
 
+_BUSY = (
+    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+    b"Connection: close\r\n\r\n"
+    b'{"error": {"message": "the server has as many connections as it takes (its '
+    b'--max-connections); try again", "type": "server_error", "param": null, '
+    b'"code": "server_busy"}}'
+)
+
+
 class StreamingHTTPServer(ThreadingHTTPServer):
-    """mlx-lm's server class, made to say a dropped connection in one log line rather than a
-    traceback."""
+    """mlx-lm's server class, made to say a dropped or silent connection in one log line
+    rather than a traceback, and to hold at most ``max_connections`` connections at once (each
+    is a thread): one more is answered 503 and closed."""
 
     daemon_threads = True  # a request still being answered does not hold the process at exit
+    max_connections = 0  # 0: no limit
+    # socketserver's backlog of 5 resets clients that connect together (32 at once, say)
+    request_queue_size = 128
+
+    def set_max_connections(self, n: int) -> None:
+        """Args:
+        n: the most connections served at once (0: no limit)."""
+        self.max_connections = n
+        self._slots = threading.BoundedSemaphore(n) if n else None
+
+    def process_request(self, request, client_address) -> None:
+        slots = getattr(self, "_slots", None)
+        if slots is not None and not slots.acquire(blocking=False):
+            log.warning("%s: refused (503): --max-connections reached", client_address[0])
+            try:
+                request.sendall(_BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            slots = getattr(self, "_slots", None)
+            if slots is not None:
+                slots.release()
 
     def handle_error(self, request, client_address) -> None:
         error = sys.exc_info()[1]
-        if isinstance(error, ConnectionError):  # ClientGone, BrokenPipeError, reset
-            log.info("%s: %s", client_address[0], error)
+        if isinstance(error, (ConnectionError, TimeoutError)):  # ClientGone, pipe, reset, silent
+            log.info("%s: %s", client_address[0], error or type(error).__name__)
             return
         super().handle_error(request, client_address)
-
-
-def context_length(config: dict) -> Optional[int]:
-    """The model's context length (``max_position_embeddings``), None when config.json lacks it."""
-    for section in (config.get("text_config") or {}, config):
-        value = section.get("max_position_embeddings") if isinstance(section, dict) else None
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
 
 
 def listen(host: str, port: int, handler_class, responses_for) -> StreamingHTTPServer:
@@ -589,52 +1049,228 @@ def _stop(signum, frame):
     raise KeyboardInterrupt  # serve() shuts down cleanly on it
 
 
+def _config_int(config: dict, key: str) -> Optional[int]:
+    for section in (config.get("text_config") or {}, config):
+        value = section.get(key) if isinstance(section, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def context_length(config: dict) -> Optional[int]:
+    """The model's context length (``max_position_embeddings``), None when config.json lacks it."""
+    return _config_int(config, "max_position_embeddings")
+
+
+def model_limits(
+    config: dict,
+    max_tokens_limit: Optional[int] = None,
+    max_prompt_tokens: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+) -> ModelLimits:
+    """What requests may ask of a model with ``config`` (its config.json).
+
+    Args:
+        config: the model's config.
+        max_tokens_limit: ``--max-tokens-limit`` (None: the context length).
+        max_prompt_tokens: ``--max-prompt-tokens`` (None: the context length; never more).
+        vocab_size: where config.json lacks ``vocab_size``, the model's (its logits' rows).
+
+    Returns:
+        The limits.
+
+    Raises:
+        UsageError: config.json gives no vocabulary size and none is given.
+    """
+    vocab = _config_int(config, "vocab_size") or vocab_size
+    if vocab is None:
+        raise UsageError("config.json has no vocab_size: cannot check token ids of requests")
+    context = context_length(config) or FALLBACK_CONTEXT
+    prompt = min(max_prompt_tokens or context, context)
+    return ModelLimits(vocab, context, prompt, max_tokens_limit or context)
+
+
+class ModelTable:
+    """The models requests may name (``--allowed-models``), each as ``(path, ModelLimits)``,
+    under every name it may be given by: ``default_model``, the name given at start, its path.
+    Looking a name up touches no disk, except with ``*`` (any model: its config is read once).
+    """
+
+    def __init__(
+        self,
+        entries: Dict[str, Tuple[str, ModelLimits]],
+        any_model: bool = False,
+        max_tokens_limit: Optional[int] = None,
+        max_prompt_tokens: Optional[int] = None,
+    ):
+        self._entries = dict(entries)
+        self.listed: List[str] = []
+        self.any_model = any_model
+        self._limits = (max_tokens_limit, max_prompt_tokens)
+        self._lock = threading.Lock()
+
+    def get(self, name: Optional[str]) -> Optional[Tuple[str, ModelLimits]]:
+        """Args:
+            name: a request's ``model`` (None: ``default_model``).
+
+        Returns:
+            ``(path, limits)``, or None where the name may not be loaded (or, with ``*``, is
+            not a model's directory).
+        """
+        name = name or "default_model"
+        with self._lock:
+            if name in self._entries or not self.any_model:
+                return self._entries.get(name)
+        try:
+            path = resolve_model(name)
+            entry = (name, model_limits(read_config(path), *self._limits))
+        except Exception as e:  # noqa: BLE001 - not a model: the request is refused
+            log.info("model %r not loadable: %s", name[:200], e)
+            return None
+        with self._lock:
+            self._entries[name] = entry
+        return entry
+
+    def names(self) -> List[str]:
+        """Returns: the models ``--allowed-models`` names, as given (what /v1/models lists)."""
+        return list(self.listed)
+
+
+def resolve_api_key(args: argparse.Namespace) -> Optional[str]:
+    """The key requests must send: ``--api-key``, ``--api-key-file``, or ``MOEFLUX_API_KEY``.
+
+    Args:
+        args: the command's arguments.
+
+    Returns:
+        The key, or None where none is set (no key required).
+
+    Raises:
+        UsageError: both flags given, the file unreadable, or the key empty or not printable
+            ASCII without spaces (what an HTTP header carries).
+    """
+    if args.api_key is not None and args.api_key_file is not None:
+        raise UsageError("--api-key and --api-key-file: give one of them")
+    if args.api_key_file is not None:
+        try:
+            key, source = Path(args.api_key_file).read_text().strip(), "--api-key-file"
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--api-key-file {args.api_key_file}: cannot be read ({e})") from None
+    elif args.api_key is not None:
+        key, source = args.api_key.strip(), "--api-key"
+    else:
+        key, source = os.environ.get(API_KEY_VARIABLE, "").strip(), API_KEY_VARIABLE
+        if not key:
+            return None
+    if not key or not all(33 <= ord(c) < 127 for c in key):
+        raise UsageError(f"{source}: the key must be printable ASCII without spaces, not empty")
+    return key
+
+
+def _allowed_models(args: argparse.Namespace, served: ModelLimits) -> ModelTable:
+    entries = {"default_model": (args.model, served), args.model: (args.model, served)}
+    if getattr(args, "model_given", None):
+        entries[args.model_given] = (args.model, served)
+    any_model = False
+    for name in getattr(args, "allowed_models", None) or []:
+        if name == "*":
+            any_model = True
+            continue
+        path = resolve_model(name)
+        limits = model_limits(read_config(path), args.max_tokens_limit, args.max_prompt_tokens)
+        entries[name] = entries[str(path.resolve())] = (str(path.resolve()), limits)
+    table = ModelTable(entries, any_model, args.max_tokens_limit, args.max_prompt_tokens)
+    table.listed = [n for n in getattr(args, "allowed_models", None) or [] if n != "*"]
+    return table
+
+
 def serve(
     args: argparse.Namespace,
     options: LoadOptions,
     max_tokens_limit: Optional[int] = None,
     rank: int = 0,
 ) -> None:
-    """Run mlx-lm's server on ``args`` (mlx_lm.server's arguments) with experts streamed by
-    ``options``; blocks until Ctrl-C or SIGTERM.
+    """Run mlx-lm's server on ``args`` (mlx_lm.server's arguments and this command's limits)
+    with experts streamed by ``options``; blocks until Ctrl-C or SIGTERM.
 
     The port is taken first and the model loaded in full before a request is accepted, so a port
     in use or a damaged model is one line (``UsageError``, ``MoefluxError``), never a server that
     listens with a dead generation thread. Under mlx.launch only rank 0 listens; the other
     processes load their share and generate with it, as in mlx-lm's server (``rank`` > 0).
+
+    Args:
+        args: the command's arguments (``run`` has resolved ``model`` and the API key).
+        options: how experts are streamed.
+        max_tokens_limit: the most tokens a request may ask for (None: the context length).
+        rank: this process's rank under mlx.launch (0: the one that listens).
+
+    Raises:
+        UsageError: the port cannot be taken, or the model or an allowed model cannot be loaded.
     """
     signal.signal(signal.SIGTERM, _stop)
     if rank > 0:
         _serve_share(args, options)
         return
+    api_key = getattr(args, "resolved_api_key", None)
     handler_class = type(
         "Handler",
         (StreamingAPIHandler,),
-        {"served_model": str(Path(args.model).resolve()), "max_tokens_limit": max_tokens_limit},
+        {
+            "served_model": str(Path(args.model).resolve()),
+            "max_tokens_limit": max_tokens_limit,
+            "api_key": api_key,
+            "max_body_bytes": getattr(args, "max_body_bytes", DEFAULT_MAX_BODY_BYTES),
+            "request_timeout": getattr(args, "request_timeout", 0.0) or 0.0,
+            "default_max_tokens": args.max_tokens,
+        },
     )
     holder: dict = {}
     httpd = listen(args.host, args.port, handler_class, lambda: holder["responses"])
+    httpd.set_max_connections(getattr(args, "max_connections", DEFAULT_MAX_CONNECTIONS))
     if not ipaddress.ip_address(httpd.server_address[0]).is_loopback:
         log.warning(
-            "listening on %s, beyond this machine: mlx_lm.server is not recommended for "
-            "production, as it only implements basic security checks",
+            "listening on %s, beyond this machine%s",
             args.host,
+            "" if api_key else ": without --api-key, anyone who reaches this port can generate",
         )
     provider = StreamingModelProvider(args, options)
     plain_stream_generate = mlx_server.stream_generate
     try:
         maybe_set_recommended_wired_limit()
         _load_now(provider, args)
+        config = read_config(resolve_model(args.model))
+        vocab = getattr(getattr(provider.model, "args", None), "vocab_size", None)
+        served = model_limits(
+            config, max_tokens_limit, getattr(args, "max_prompt_tokens", None), vocab
+        )
+        models = _allowed_models(args, served)
+        handler_class.models = models
         # mlx_lm.server calls stream_generate for requests it serves alone: this one sends those
         # whose draft model is a PromptLookup to prompt lookup, the rest to mlx-lm's own
         mlx_server.stream_generate = lookup_stream_generate
         host, port = httpd.server_address[:2]
+        timeout = handler_class.request_timeout
+        log.info(
+            "limits: prompts up to %d tokens%s, max_tokens up to %d, bodies up to %d bytes, "
+            "request timeout %s, %s connections at once, silent clients dropped after %d s; "
+            "API key %s; models: %s",
+            served.max_prompt_tokens,
+            " (the model's context)" if served.max_prompt_tokens == served.context_length else "",
+            served.max_tokens,
+            handler_class.max_body_bytes,
+            f"{timeout:g} s" if timeout else "off",
+            httpd.max_connections or "any number of",
+            IDLE_TIMEOUT_S,
+            "required" if api_key else "not required",
+            ", ".join([args.model, *models.names()] + (["any (*)"] if models.any_model else [])),
+        )
         say(
             f"Serving {args.model} on http://{host}:{port}/v1 (mlx-lm server, experts streamed; "
             f"max_tokens up to {max_tokens_limit or 'any'}; Ctrl-C stops)"
         )
         prompt_cache = mlx_server.LRUPromptCache(args.prompt_cache_size)
-        holder["responses"] = responses = StreamingResponseGenerator(provider, prompt_cache)
+        generator_class = type("Responses", (StreamingResponseGenerator,), {"models": models})
+        holder["responses"] = responses = generator_class(provider, prompt_cache)
         try:
             httpd.serve_forever()
         except KeyboardInterrupt:
@@ -765,6 +1401,14 @@ def run(args: argparse.Namespace) -> int:
             f"--max-tokens {args.max_tokens} is more than --max-tokens-limit {limit}"
             + ("" if args.max_tokens_limit else " (the model's context length)")
         )
+    context = context_length(config)
+    if args.max_prompt_tokens and context and args.max_prompt_tokens > context:
+        raise UsageError(
+            f"--max-prompt-tokens {args.max_prompt_tokens} is more than the model's context "
+            f"length ({context})"
+        )
+    args.resolved_api_key = resolve_api_key(args)
+    args.model_given = args.model
     args.model = str(path.resolve())  # the id /v1/models lists, and what requests may name
     if args.verbose:
         args.log_level = "INFO"
@@ -793,6 +1437,60 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="refuse requests for more than N tokens (default: the model's context length, "
         "max_position_embeddings of config.json)",
+    )
+    limits = parser.add_argument_group("limits and access")
+    limits.add_argument(
+        "--max-prompt-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="refuse prompts of more than N tokens, before any prefill (default: the model's "
+        "context length, which is also the most it may be)",
+    )
+    limits.add_argument(
+        "--max-body-bytes",
+        type=_body_size,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="SIZE",
+        help="refuse request bodies larger than SIZE (e.g. 4MB, or bytes) before reading them "
+        f"(default: {DEFAULT_MAX_BODY_BYTES // 2**20} MiB)",
+    )
+    limits.add_argument(
+        "--request-timeout",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="stop a request's generation after SECONDS (default: 0, off: max_tokens and the "
+        "prompt limit bound every request, and a client that leaves stops its request)",
+    )
+    limits.add_argument(
+        "--max-connections",
+        type=int_at_least(0),
+        default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help=f"serve at most N connections at once, answer more with 503 (default: "
+        f"{DEFAULT_MAX_CONNECTIONS}; 0: no limit)",
+    )
+    limits.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every request (default: none; also "
+        f"--api-key-file or ${API_KEY_VARIABLE}, which other users cannot see in ps)",
+    )
+    limits.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="--api-key, read from the file PATH (its first line)",
+    )
+    limits.add_argument(
+        "--allowed-models",
+        type=lambda text: [m.strip() for m in text.split(",") if m.strip()],
+        default=None,
+        metavar="M1,M2",
+        help='models (directories or Hub ids) a request\'s "model" may load besides --model; '
+        "'*' allows any (default: only --model)",
     )
     add_load_args(parser)
     add_lookup_args(parser)
