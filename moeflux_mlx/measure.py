@@ -25,6 +25,7 @@ import mlx.core as mx
 import psutil
 from mlx_lm.generate import generate_step
 
+from .compute.selfcheck import MLX_VERSION
 from .format.checkpoint import expert_layout, is_packed
 from .io.bandwidth import expert_files
 from .model.load import load
@@ -123,7 +124,7 @@ def run_stock(
     """
     import mlx_lm
 
-    model, _ = mlx_lm.load(str(path))
+    model = mlx_lm.load(str(path))[0]
     prepare(model)
     time_generation(model, prompt, WARM_UP_TOKENS)  # kernels of these shapes, the allocator
     mx.reset_peak_memory()
@@ -267,7 +268,7 @@ def result_dict(path, runs: List[DecodeRun], **extra) -> dict:
         **extra,
         "model": str(path),
         "machine": machine_name(),
-        "mlx": mx.__version__,
+        "mlx": MLX_VERSION,
         "device": str(mx.default_device()),
         "tokens_identical_to_stock": same,
         "runs": [{k: v for k, v in asdict(r).items() if k != "tokens"} for r in runs],

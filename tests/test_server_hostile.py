@@ -12,7 +12,7 @@ import time
 
 import psutil
 import pytest
-from test_server import _free_port, _start, _stop, _wait_ready
+from tests.test_server import _free_port, _start, _stop, _wait_ready
 
 from moeflux_mlx.demo_model import checkpoint_path
 

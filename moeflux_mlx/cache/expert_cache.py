@@ -27,7 +27,7 @@ import numpy as np
 from ..io.store import ExpertStore
 from ..stats import LayerStats, Stats
 from .pool import DeviceStaging, ExpertPool
-from .protocol import WHOLE_PASS, Compute, SlotTable
+from .protocol import Compute, SlotTable
 from .slots import SlotCache
 from .whole_layer import WholeLayerPrefill
 
@@ -108,20 +108,21 @@ class ExpertCache:
         ``outside``: the expert computation reads slots naming experts outside the pool
         (``pool.IN_PLACE_BIT``) without a host sync, so a pass larger than the slots may stay
         one call."""
-        plan = None if self.table is None else self.table.plan_pass(layer, indices, outside)
-        if plan is None:
+        table = self.table
+        plan = None if table is None else table.plan_pass(layer, indices, outside)
+        if table is None or plan is None:
             return self.call(layer, x, indices, compute, stats)
         self.whole.begin(layer)
-        if plan == WHOLE_PASS:
-            slots, pool = self.table.lookup(layer, indices, stats, outside=outside)
+        if isinstance(plan, str):  # WHOLE_PASS
+            slots, pool = table.lookup(layer, indices, stats, outside=outside)
             out = compute(x, slots, pool)
-            self.table.computed(out)
+            table.computed(out)
             return out
         rows, outs = x.reshape(-1, x.shape[-1]), []
         for t, wave in enumerate(plan):
-            slots, pool = self.table.lookup(layer, wave, stats)
+            slots, pool = table.lookup(layer, wave, stats)
             outs.append(compute(rows[t : t + 1], slots, pool))
-            self.table.computed(outs[-1])
+            table.computed(outs[-1])
         out = mx.concatenate(outs)
         return out.reshape(*indices.shape, out.shape[-1])
 

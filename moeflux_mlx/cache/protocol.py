@@ -50,8 +50,8 @@ class Book(Protocol):
 Compute = Callable[[mx.array, mx.array, ExpertPool], mx.array]
 
 # a speculative pass served by the table: WHOLE_PASS (one call), or each token's indices
-PassPlan = Union[str, List[mx.array], None]
 WHOLE_PASS = "whole"
+PassPlan = Union[str, List[mx.array], None]
 
 
 class SlotTable(Protocol):

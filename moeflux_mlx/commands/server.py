@@ -60,7 +60,7 @@ import time
 import urllib.parse
 from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Type, cast
 
 import mlx.core as mx
 import mlx_lm
@@ -101,6 +101,7 @@ from .server_checks import (
     RequestError,
     bearer_matches,
     check_generation_args,
+    check_object,
     check_prompt_length,
     check_request,
 )
@@ -421,7 +422,8 @@ class _StoppableQueue:
     ``RequestAbandoned`` instead, which ends the prefill there."""
 
     def __init__(self, queue: Any):
-        self._queue, self._ctx = queue, None
+        self._queue = queue
+        self._ctx: Optional[Any] = None  # the request's GenerationContext, once mlx-lm made it
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._queue, name)
@@ -641,7 +643,8 @@ class StreamingAPIHandler(mlx_server.APIHandler):
 
     def setup(self) -> None:
         super().setup()
-        self.wfile = _OpenAIErrors(self.wfile, self)
+        # a wrapper with the file's interface: mlx-lm's handler writes through it unchanged
+        self.wfile = cast(io.BufferedIOBase, _OpenAIErrors(self.wfile, self))
 
     def send_response(self, code, message=None) -> None:
         self._status = code
@@ -842,8 +845,7 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         try:
             body = self._read_body()
             images = self.response_generator.model_provider.processor is not None
-            if not isinstance(body, dict):
-                check_request(body, endpoint, None, self.default_max_tokens)
+            check_object(body)  # before any model's limits are looked up
             path, limits = self._check_models(body)
             body = check_request(body, endpoint, limits, self.default_max_tokens, images)
             n = self._prompt_tokens(body, endpoint, path)
@@ -884,7 +886,7 @@ class StreamingAPIHandler(mlx_server.APIHandler):
             )
             self.close_connection = True
             if not self.stream:  # nothing sent yet: mlx-lm's 200 is still in the buffer
-                self._headers_buffer = []
+                self._headers_buffer: List[bytes] = []
                 self._send_error(error)
             else:
                 self.wfile.write(f"data: {json.dumps(error.body())}\n\n".encode())
@@ -1212,7 +1214,7 @@ def serve(
         _serve_share(args, options)
         return
     api_key = getattr(args, "resolved_api_key", None)
-    handler_class = type(
+    handler_class: Type[StreamingAPIHandler] = type(
         "Handler",
         (StreamingAPIHandler,),
         {
@@ -1227,7 +1229,7 @@ def serve(
     holder: dict = {}
     httpd = listen(args.host, args.port, handler_class, lambda: holder["responses"])
     httpd.set_max_connections(getattr(args, "max_connections", DEFAULT_MAX_CONNECTIONS))
-    if not ipaddress.ip_address(httpd.server_address[0]).is_loopback:
+    if not ipaddress.ip_address(str(httpd.server_address[0])).is_loopback:
         log.warning(
             "listening on %s, beyond this machine%s",
             args.host,
@@ -1247,8 +1249,9 @@ def serve(
         handler_class.models = models
         # mlx_lm.server calls stream_generate for requests it serves alone: this one sends those
         # whose draft model is a PromptLookup to prompt lookup, the rest to mlx-lm's own
-        mlx_server.stream_generate = lookup_stream_generate
-        host, port = httpd.server_address[:2]
+        # the same call as mlx-lm's, typed loosely: it hands every other request to mlx-lm's
+        mlx_server.stream_generate = lookup_stream_generate  # type: ignore[assignment]
+        host, port = str(httpd.server_address[0]), httpd.server_address[1]
         timeout = handler_class.request_timeout
         log.info(
             "limits: prompts up to %d tokens%s, max_tokens up to %d, bodies up to %d bytes, "
@@ -1394,7 +1397,7 @@ def run(args: argparse.Namespace) -> int:
     # the expert files are checked here, in one line, before the port is taken (under
     # mlx.launch each process checks its own share as it loads it)
     if group is None:
-        open_store(path, options.expert_io, options.threads)[0].close()
+        open_store(path, options.expert_io, options.tuning.threads)[0].close()
     limit = args.max_tokens_limit or context_length(config)
     if limit is not None and args.max_tokens > limit:
         raise UsageError(

@@ -359,6 +359,17 @@ def _optional(body: dict, name: str) -> bool:
     return body.get(name) is not None
 
 
+def check_object(body: Any) -> dict:
+    """``body`` if it is a JSON object.
+
+    Raises:
+        RequestError: it is not.
+    """
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, not {_kind(body)}")
+    return body
+
+
 def check_request(
     body: Any,
     endpoint: str,
@@ -384,9 +395,7 @@ def check_request(
     Raises:
         RequestError: the first field at fault.
     """
-    if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, not {_kind(body)}")
-    body = dict(body)
+    body = dict(check_object(body))
     if endpoint == "chat":
         if "messages" not in body:
             raise RequestError("messages is required", "messages", "missing_required_parameter")
