@@ -220,7 +220,9 @@ def run_step(step: dict, spec: dict, group) -> dict:
     out: Dict[str, dict] = {}
     try:
         if spec.get("trace"):
-            drive_routing(model, load_trace(spec["trace"]), spec["trace"], None, spec["moe_layers"])
+            drive_routing(
+                model, load_trace(spec["trace"]), spec["trace"], moe_layers=spec["moe_layers"]
+            )
         _decode(model, prompt, 4)  # warm-up: kernels of these shapes, allocator, page cache
         for phase in step.get("phases", ["warm"]):
             cold = phase == "cold" and rt is not None
