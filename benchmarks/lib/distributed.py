@@ -42,6 +42,7 @@ from moeflux_mlx.io.bandwidth import PageCacheDropper, expert_files
 from moeflux_mlx.measure import timed_greedy
 from moeflux_mlx.model.load import load
 from moeflux_mlx.model.sharded import sharded_load
+from moeflux_mlx.options import LoadOptions, Tuning
 
 # what mlx.launch sets for a rank; a launch sets its own, never inherits them
 _LAUNCH_VARS = ("MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE", "NCCL_HOST_IP", "NCCL_PORT")
@@ -210,7 +211,8 @@ def run_step(step: dict, spec: dict, group) -> dict:
             expert_io=spec.get("expert_io", "pread"),
             cache_budget=step["budget"],
             backend=step.get("backend"),
-            device_table=step.get("device_table"),
+            # the slot lookup, the machine's choice for a user: a step may set it
+            options=LoadOptions(tuning=Tuning(device_table=step.get("device_table"))),
         )
         if groups:
             model, _ = sharded_load(spec["model"], **groups, **opts)
