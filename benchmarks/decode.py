@@ -1,6 +1,6 @@
 """Decode benchmark, the research version of ``moeflux-mlx bench``: stock mlx-lm vs moeflux-mlx
-at several cache budgets, I/O modes, prefetch off and on, both slot lookups where the device-side
-table runs, cold runs with the page cache dropped, kept or held to a share of the experts, routing
+at several cache budgets and I/O modes, both slot lookups where the device-side table runs, cold
+runs with the page cache dropped, kept or held to a share of the experts, routing
 replayed from a trace, paired rounds; results written under benchmarks/results/.
 
     python benchmarks/decode.py PATH                               # plain or converted checkpoint

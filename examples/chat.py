@@ -6,7 +6,7 @@
 
 /reset starts a new conversation; /quit, q or Ctrl-D exits; another /word is taken for a
 mistyped command, not sent (//text sends /text). See `--help` for sampling
-(--temp, --top-p, --max-tokens, --seed) and streaming (--expert-io, --backend, --threads) options.
+(--temp, --top-p, --max-tokens, --seed) and streaming (--expert-io, --backend, --cache-budget) options.
 Same as `moeflux-mlx chat`. Needs moeflux-mlx importable (`pip install -e .`, or PYTHONPATH=.).
 """
 

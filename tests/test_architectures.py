@@ -23,8 +23,8 @@ from moeflux_mlx.format.checkpoint import SEPARATE_EXPERTS as SEPARATE_EXPERT_TY
 from moeflux_mlx.format.checkpoint import scan_checkpoint
 from moeflux_mlx.format.convert import convert
 from moeflux_mlx.model.experts import build_model, find_experts, find_router
-from moeflux_mlx.model.predict import next_gates
 from moeflux_mlx.model.switch import StreamingSwitchGLU
+from moeflux_mlx.options import share_of_experts
 from tests.support import architectures, synth
 
 CPU_ARCHS = sorted(a for a in architectures.MOE_ARCHITECTURES if a not in architectures.NOT_ON_CPU)
@@ -87,8 +87,8 @@ def _check_structure(src, config):
 
 @pytest.mark.parametrize("arch", CPU_ARCHS)
 def test_equals_stock_mlx_lm(root, arch):
-    """Plain and converted, pread and mmap, no cache / part / all experts resident (prefetch
-    on in one): the same tokens and log-probs as stock mlx-lm, bit for bit."""
+    """Plain and converted, pread and mmap, no cache / part / all experts resident (LRU
+    eviction in one): the same tokens and log-probs as stock mlx-lm, bit for bit."""
     src = synth.build_checkpoint(root / arch, arch, "tiny", seed=1)
     config = json.loads((src / "config.json").read_text())
     layout, _ = _check_structure(src, config)
@@ -97,14 +97,14 @@ def test_equals_stock_mlx_lm(root, arch):
     del stock
     packed = convert(src, root / f"{arch}-packed", verify=True, progress=False)
     combos = [
-        ("plain", src, "pread", 0, False),
-        ("packed", packed, "mmap", "all", False),
-        ("plain", src, "mmap", 0.5, True),
-        ("packed", packed, "pread", 0.5, False),
+        ("plain", src, "pread", 0, "transition"),
+        ("packed", packed, "mmap", "all", "transition"),
+        ("plain", src, "mmap", share_of_experts(0.5), "lru"),
+        ("packed", packed, "pread", share_of_experts(0.5), "transition"),
     ]
-    for name, path, io, budget, prefetch in combos:
+    for name, path, io, budget, eviction in combos:
         model, _ = moeflux_mlx.load(
-            path, expert_io=io, cache_budget=budget, prefetch=prefetch, **EXACT
+            path, expert_io=io, cache_budget=budget, eviction=eviction, **EXACT
         )
         with model.moeflux as rt:
             streaming = [m for _, m in model.named_modules() if isinstance(m, StreamingSwitchGLU)]
@@ -160,26 +160,6 @@ def test_experts_routers_and_activations(arch):
         found = find_router(model, e.path, e.layer, e.num_experts)
         assert found is not None, f"{e.path}: no router found"
         assert found[0].rsplit(".", 1)[-1] in ("gate", "router", "proj"), found[0]
-
-
-def test_next_layer_routers_for_prefetch(tmp_path):
-    """Prefetch finds each next MoE layer's router by what it is (gpt_oss: ``router``, gemma4:
-    ``router.proj``) and only where it reads what this layer's experts read."""
-    for arch, want in (("gpt_oss", "router"), ("gemma4_text", "router.proj"), ("dots1", "gate")):
-        model = build_model(synth.model_config(arch, "tiny"))
-        paths = {e.layer: e.path for e in find_experts(model).values()}
-        gates = next_gates(model, paths)
-        layers = sorted(paths)
-        assert set(gates) == set(layers[:-1])
-        named = {id(m): p for p, m in model.named_modules()}
-        for cur, (nxt, gate) in gates.items():
-            assert nxt == layers[layers.index(cur) + 1]
-            assert named[id(gate)].endswith(want) and f".{nxt}." in named[id(gate)]
-    # nemotron_h with latent experts: the routers read the hidden size, the experts a latent
-    config = synth.model_config("nemotron_h", "tiny", moe_latent_size=32)
-    model = build_model(config)
-    paths = {e.layer: e.path for e in find_experts(model).values()}
-    assert next_gates(model, paths) == {}
 
 
 def test_dense_of_separate_experts_is_refused_in_one_line(tmp_path):

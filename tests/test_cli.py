@@ -166,8 +166,6 @@ def test_load_options_reach_load(packed, capsys):
             "chat",
             "--expert-io",
             "pread",
-            "--threads",
-            "3",
             "--cache-budget",
             "1GB",
             "--backend",
@@ -176,15 +174,17 @@ def test_load_options_reach_load(packed, capsys):
     )
     assert common.load_kwargs(args) == {
         "expert_io": "pread",
-        "threads": 3,
         "cache_budget": "1GB",
         "backend": "ops",
     }
     assert common.load_kwargs(cli.build_parser().parse_args(["generate"])) == {}
-    args = cli.build_parser().parse_args(["generate", "--device-table", "--prefetch"])
-    assert common.load_kwargs(args) == {"device_table": True, "prefetch": True}
-    args = cli.build_parser().parse_args(["generate", "--no-device-table"])
-    assert common.load_kwargs(args) == {"device_table": False}
+    args = cli.build_parser().parse_args(["generate", "--eviction", "lru", "--pin-experts"])
+    assert common.load_kwargs(args) == {"eviction": "lru", "pin_experts": True}
+    # what the machine decides is no flag: the removed ones are refused, not ignored
+    for gone in (["--threads", "3"], ["--device-table"], ["--no-device-table"], ["--prefetch"]):
+        with pytest.raises(SystemExit) as e:
+            cli.build_parser().parse_args(["generate", *gone])
+        assert e.value.code == 2 and gone[0] in capsys.readouterr().err
 
 
 def test_info_names_each_architecture(ckpts, capsys):
@@ -233,8 +233,6 @@ def test_generate(packed, capsys):
             "10",
             "--expert-io",
             "pread",
-            "--threads",
-            "2",
         ]
     )
     out, err = capsys.readouterr()

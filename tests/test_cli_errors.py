@@ -18,7 +18,15 @@ import pytest
 
 from moeflux_mlx.format.checkpoint import PACKED_DIR
 from moeflux_mlx.format.convert import convert
-from moeflux_mlx.options import LoadOptions, OptionError, from_environment, parse_budget
+from moeflux_mlx.options import (
+    ENVIRONMENT,
+    LoadOptions,
+    OptionError,
+    Tuning,
+    from_environment,
+    parse_budget,
+    share_of_experts,
+)
 from tests.support import synth
 
 REPO = Path(__file__).resolve().parents[1]
@@ -177,9 +185,8 @@ def test_max_tokens_zero_is_a_usage_error(command, models):
         ("MOEFLUX_BACKEND", "banana", "generate", "expected one of auto, ops, metal, cuda"),
         ("MOEFLUX_EXPERT_IO", "banana", "info", "expected one of auto, mmap, pread, direct"),
         ("MOEFLUX_EXPERT_IO", "banana", "generate", "expected one of auto, mmap, pread, direct"),
-        ("MOEFLUX_DEVICE_TABLE", "maybe", "generate", "expected one of 1, on, true"),
-        ("MOEFLUX_SLOT_WRITES", "gpu", "info", "expected one of host, device"),
-        ("MOEFLUX_WAIT_TIMEOUT_S", "soon", "info", "expected a number > 0"),
+        ("MOEFLUX_EVICTION", "fifo", "info", "expected one of transition, lru"),
+        ("MOEFLUX_PIN_EXPERTS", "maybe", "generate", "expected one of 1, on, true"),
     ],
 )
 def test_bad_variable_is_one_line(models, var, value, command, expected):
@@ -206,29 +213,50 @@ def test_variables_are_read_case_insensitively(models):
 def test_options_are_read_in_one_place(monkeypatch):
     """LoadOptions.resolve is strict; select_expert_io's lenient reading still warns (io/store)."""
     monkeypatch.setenv("MOEFLUX_EXPERT_IO", "Pread")
-    monkeypatch.setenv("MOEFLUX_DEVICE_TABLE", "OFF")
+    monkeypatch.setenv("MOEFLUX_EVICTION", "LRU")
     opts = LoadOptions.resolve()
-    assert opts.expert_io == "pread" and opts.device_table is False
+    assert opts.expert_io == "pread" and opts.eviction == "lru"
     monkeypatch.setenv("MOEFLUX_EXPERT_IO", "bogus")
     with pytest.raises(OptionError, match="MOEFLUX_EXPERT_IO=bogus: expected one of"):
         LoadOptions.resolve()
     assert from_environment()["expert_io"] == "bogus"  # lenient: for select_expert_io to warn
-    with pytest.raises(OptionError, match="threads=0"):
+    with pytest.raises(TypeError, match="threads"):  # the machine's choice, not an option
         LoadOptions.resolve(threads=0, expert_io="mmap")
+    with pytest.raises(OptionError, match="threads must be >= 1"):
+        Tuning(threads=0)
+    with pytest.raises(OptionError, match="slot_writes='gpu': expected one of host, device"):
+        Tuning(slot_writes="gpu")
+    tuned = Tuning(threads=3, warm_read_threads=0)  # 0: every thread, always
+    assert LoadOptions.resolve(expert_io="mmap", tuning=tuned).tuning == tuned
+    with pytest.raises(OptionError, match="tuning="):
+        LoadOptions.resolve(expert_io="mmap", tuning={"threads": 3})
     assert LoadOptions.resolve(expert_io="MMAP").expert_io == "mmap"
-    monkeypatch.setenv("MOEFLUX_WARM_READ_THREADS", "0")  # 0: every thread, always
-    assert LoadOptions.resolve(expert_io="mmap").warm_read_threads == 0
-    monkeypatch.setenv("MOEFLUX_WARM_READ_THREADS", "-1")
-    with pytest.raises(OptionError, match="MOEFLUX_WARM_READ_THREADS=-1: expected a whole"):
-        LoadOptions.resolve(expert_io="mmap")
-    assert LoadOptions.resolve(expert_io="mmap", warm_read_threads=2).warm_read_threads == 2
-    monkeypatch.delenv("MOEFLUX_WARM_READ_THREADS")
     assert LoadOptions.resolve(expert_io="mmap").pin_experts is False  # off unless asked
     monkeypatch.setenv("MOEFLUX_PIN_EXPERTS", "On")
     assert LoadOptions.resolve(expert_io="mmap").pin_experts is True
     monkeypatch.setenv("MOEFLUX_PIN_EXPERTS", "maybe")
     with pytest.raises(OptionError, match="MOEFLUX_PIN_EXPERTS=maybe: expected one of"):
         LoadOptions.resolve(expert_io="mmap")
+
+
+def test_the_machine_s_choices_are_no_variables(monkeypatch):
+    """What the machine decides (``Tuning``) is read from no variable: the variables that once
+    set it are not options, so a value they hold, good or bad, changes nothing and stops
+    nothing."""
+    removed = {
+        "MOEFLUX_THREADS": "0",
+        "MOEFLUX_WARM_READ_THREADS": "-1",
+        "MOEFLUX_DEVICE_TABLE": "maybe",
+        "MOEFLUX_SLOT_WRITES": "gpu",
+        "MOEFLUX_WAIT_TIMEOUT_S": "soon",
+        "MOEFLUX_PREFETCH": "on",
+        "MOEFLUX_PREFILL_WHOLE_LAYER": "0",
+    }
+    for var, value in removed.items():
+        monkeypatch.setenv(var, value)
+    assert not set(removed) & {var for var, _ in ENVIRONMENT.values()}
+    assert LoadOptions.resolve() == LoadOptions()
+    assert from_environment(strict=True) == {}
 
 
 # --------------------------------------------------------------------------- 6. ~ in load()
@@ -277,8 +305,9 @@ def test_a_file_for_a_model_directory_is_one_line(command, models):
 @pytest.mark.parametrize(
     "budget,expected",
     [
-        ("1.5", "a number without a unit is a fraction of RAM, in (0, 1]"),
-        ("1000", "for a size add a unit"),
+        ("0.25", "write '25% experts' (of the experts' bytes), '25% RAM' (of physical RAM)"),
+        ("1.5", "a number alone names no base"),
+        ("1000", "a number alone names no base: write '25% experts'"),
         ("-5GB", "is negative"),  # as two words: argparse alone says "expected one argument"
         ("-0.5", "is negative"),
         ("8G", "unit 'G' is ambiguous: write 8GB (x 1000^n bytes) or 8GiB"),
@@ -312,9 +341,16 @@ def test_parse_budget_units():
     assert parse_budget("8MB", 1) == 8 * 1000**2 and parse_budget("8mb", 1) == 8 * 1000**2
     assert parse_budget("8MiB", 1) == 8 * 1024**2 and parse_budget("2 GiB", 1) == 2 * 1024**3
     assert parse_budget("1000B", 1) == 1000 and parse_budget(1000, 1) == 1000
-    assert parse_budget("0.25", 1) == parse_budget(0.25, 1) == int(0.25 * ram)
-    assert parse_budget("1", 1) == ram and parse_budget("all", 7) == 7 and parse_budget("0", 7) == 0
-    for bad in ("1.5", 1.5, "1000", "8G", "-1GB", -1, True, "nan", float("inf")):
+    assert parse_budget("25% experts", 1000) == 250 and parse_budget("25 % of Experts", 8) == 2
+    assert parse_budget("25% RAM", 1) == int(0.25 * ram)
+    assert parse_budget(share_of_experts(0.25), 1000) == 250
+    assert parse_budget("all", 7) == 7 and parse_budget("0", 7) == 0 and parse_budget(0.0, 7) == 0
+    # a share names its base: a bare number is refused, the message naming both forms
+    for bare in ("0.25", 0.25, "1"):
+        with pytest.raises(OptionError, match="names no base") as e:
+            parse_budget(bare, 1)
+        assert "% experts" in str(e.value) and "% RAM" in str(e.value)
+    for bad in ("1.5", 1.5, "1000", "8G", "-1GB", -1, True, "nan", float("inf"), "150% RAM"):
         with pytest.raises(OptionError, match="cache budget"):
             parse_budget(bad, 1)
 
@@ -488,7 +524,7 @@ def test_every_expert_resident_is_not_a_zero_hit_rate(models):
 @pytest.mark.parametrize(
     "args,expected",
     [
-        (["generate", "--threads", "0"], "--threads: expected a whole number >= 1"),
+        (["generate", "--threads", "3"], "unrecognized arguments: --threads"),
         (["generate", "--max-tokens", "-1"], "--max-tokens/-m: expected a whole number >= 1"),
         (["generate", "--temp", "-1"], "--temp: expected a number >= 0"),
         (["generate", "--top-p", "1.5"], "--top-p: expected a number >= 0 and <= 1"),
@@ -502,7 +538,8 @@ def test_every_expert_resident_is_not_a_zero_hit_rate(models):
         (["server", "--max-tokens-limit", "0"], "--max-tokens-limit: expected a whole number"),
         (["server", "--decode-concurrency", "0"], "--decode-concurrency: expected a whole"),
         (["demo", "--max-tokens", "0"], "--max-tokens/-m: expected a whole number >= 1"),
-        (["info", "--threads", "-3"], "--threads: expected a whole number >= 1"),
+        (["info", "--device-table"], "unrecognized arguments: --device-table"),
+        (["generate", "--prefetch"], "unrecognized arguments: --prefetch"),
         (["server", "--prompt-cache-bytes", "lots"], "--prompt-cache-bytes: expected a size"),
         (["server", "--top-k", "-1"], "--top-k: expected a whole number >= 0"),
     ],

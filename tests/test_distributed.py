@@ -41,6 +41,7 @@ from moeflux_mlx.format.layout import ExpertLayout, Quantization, layer_file_nam
 from moeflux_mlx.io.store import read_runs
 from moeflux_mlx.model.experts import find_experts
 from moeflux_mlx.model.sharded import _split_of
+from moeflux_mlx.options import LoadOptions, Tuning
 from tests.support import synth
 
 BIN = Path(sys.executable).parent
@@ -142,7 +143,10 @@ def test_a_tensor_parallel_rank_reads_what_stock_shard_keeps(ckpts, kind, expert
     """The bytes of each expert a rank reads are the weights ``model.shard`` leaves that rank in
     stock mlx-lm: rows of gate / up, input columns of down (with their scales and biases)."""
     model, _ = moeflux_mlx.sharded_load(
-        ckpts[kind], tensor_group=Group(rank, 2), expert_io=expert_io, threads=threads
+        ckpts[kind],
+        tensor_group=Group(rank, 2),
+        expert_io=expert_io,
+        options=LoadOptions(tuning=Tuning(threads=threads)),
     )
     stock, _ = load_model(ckpts["q4"], lazy=True)
     stock.shard(Group(rank, 2))
@@ -200,7 +204,7 @@ def test_a_pipeline_stage_opens_only_its_layers(ckpts, tmp_path):
         model, _ = moeflux_mlx.sharded_load(mine, pipeline_group=Group(rank, 2), cache_budget="all")
         with model.moeflux as rt:
             assert sorted(rt.layout.layers) == sorted(rt.store.layers) == layers
-            assert rt.cache.budget_bytes == rt.layout.total_expert_bytes == 16 * 27648
+            assert rt.cache.capacity_bytes == rt.layout.total_expert_bytes == 16 * 27648
 
 
 # --------------------------------------------------------------------------- two processes
@@ -213,6 +217,7 @@ WORKER = textwrap.dedent(
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import sharded_load as stock_sharded_load
     import moeflux_mlx
+    from moeflux_mlx.options import LoadOptions, Tuning
 
     packed, plain, out = sys.argv[1:4]
     group = mx.distributed.init(strict=True, backend="ring")
@@ -243,7 +248,8 @@ WORKER = textwrap.dedent(
     result["stock_tp"] = decode(stock)
     del stock
     model, _ = moeflux_mlx.sharded_load(plain, tensor_group=group, cache_budget=222000,
-                                        expert_io="pread", threads=4, backend="ops")
+                                        expert_io="pread", backend="ops",
+                                        options=LoadOptions(tuning=Tuning(threads=4)))
     result["tp"], result["tp_share"] = decode(model), share(model)
     model.moeflux.close()
     arrays = {{f"{{k}}_{{i}}": lp for k in ("pipeline", "stock_tp", "tp")

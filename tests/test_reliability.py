@@ -44,6 +44,7 @@ from moeflux_mlx.errors import (
     SafetensorsHeaderError,
     UnsupportedQuantizationError,
 )
+from moeflux_mlx.options import LoadOptions, Tuning
 from tests.support import synth
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -739,32 +740,28 @@ def test_expert_index_out_of_range(ckpt, budget):
 
 
 STREAMING = [
-    ("pread", 0, 8, False),
-    ("pread", 0, 1, False),
-    ("pread", "0.4MB", 8, False),
-    ("pread", "0.4MB", 8, True),
+    ("pread", 0, 8, "transition"),
+    ("pread", 0, 1, "transition"),
+    ("pread", "0.4MB", 8, "transition"),
+    ("pread", "0.4MB", 8, "lru"),
 ]
-STREAMING_IDS = ["pread-threads", "pread-serial", "pread-lru", "pread-lru-prefetch"]
+STREAMING_IDS = ["pread-threads", "pread-serial", "pread-cached", "pread-lru"]
 
 
-def load_opts(prefetch):
-    """``prefetch=`` only where the loader has it (it is newer than these tests)."""
-    import inspect
-
-    if prefetch and "prefetch" not in inspect.signature(moeflux_mlx.load).parameters:
-        pytest.skip("this moeflux_mlx.load has no prefetch option")
-    return {"prefetch": True} if prefetch else {}
+def load_opts(threads: int, eviction: str = "transition") -> dict:
+    """The read threads (the machine's choice, handed in as ``Tuning``) and the eviction."""
+    return dict(options=LoadOptions(tuning=Tuning(threads=threads)), eviction=eviction)
 
 
-@pytest.mark.parametrize("io,budget,threads,prefetch", STREAMING, ids=STREAMING_IDS)
+@pytest.mark.parametrize("io,budget,threads,eviction", STREAMING, ids=STREAMING_IDS)
 @pytest.mark.parametrize("kind,match", [("eio", "Input/output error"), ("eof", "short read")])
 def test_read_fault_mid_generation(
-    ckpt, reference, monkeypatch, io, budget, threads, prefetch, kind, match
+    ckpt, reference, monkeypatch, io, budget, threads, eviction, kind, match
 ):
     """A disk error / short read in the middle of a token: the generation raises, nothing is
     returned, and once the fault is gone the same model generates the right tokens."""
     model, tok = moeflux_mlx.load(
-        ckpt[1], expert_io=io, cache_budget=budget, threads=threads, **load_opts(prefetch)
+        ckpt[1], expert_io=io, cache_budget=budget, **load_opts(threads, eviction)
     )
     with model.moeflux:
         total = count_preadv(monkeypatch, lambda: gen(model))
@@ -781,22 +778,6 @@ def test_read_fault_mid_generation(
         restore = fault_preadv(monkeypatch, 0, kind)
         with pytest.raises(ExpertReadError):
             gen(model)
-        restore()
-        assert gen(model) == reference
-
-
-@pytest.mark.parametrize("after", [0, 5, 20])
-def test_failed_prefetch_mmap(ckpt, reference, monkeypatch, after):
-    """mmap mode with prefetch: only the prefetcher's reads go through preadv. A failed prefetch
-    of an expert the router then picks raises ExpertReadError; one it does not pick is dropped.
-    Either way never a wrong token, and the model works once the fault is gone."""
-    model, _ = moeflux_mlx.load(ckpt[1], expert_io="mmap", cache_budget="0.4MB", **load_opts(True))
-    with model.moeflux:
-        restore = fault_preadv(monkeypatch, after, "eio")
-        try:
-            assert gen(model, 32)[:N_TOKENS] == reference
-        except ExpertReadError as e:
-            assert "Input/output error" in str(e) and "layer_0" in str(e)
         restore()
         assert gen(model) == reference
 
@@ -900,14 +881,14 @@ def test_truncated_after_load_mmap_no_sigbus(ckpt, reference, tmp_path, which):
 
 
 @pytest.mark.parametrize(
-    "budget,threads,prefetch",
-    [(0, 8, False), ("0.4MB", 8, False), (0, 1, False), ("0.4MB", 8, True)],
-    ids=["staging-threads", "lru-threads", "staging-serial", "lru-prefetch"],
+    "budget,threads,eviction",
+    [(0, 8, "transition"), ("0.4MB", 8, "transition"), (0, 1, "transition"), ("0.4MB", 8, "lru")],
+    ids=["staging-threads", "cached-threads", "staging-serial", "lru-threads"],
 )
-def test_keyboard_interrupt_inside_a_read(ckpt, reference, monkeypatch, budget, threads, prefetch):
+def test_keyboard_interrupt_inside_a_read(ckpt, reference, monkeypatch, budget, threads, eviction):
     """KeyboardInterrupt raised from inside a read (a worker thread for threads > 1)."""
     model, _ = moeflux_mlx.load(
-        ckpt[1], expert_io="pread", cache_budget=budget, threads=threads, **load_opts(prefetch)
+        ckpt[1], expert_io="pread", cache_budget=budget, **load_opts(threads, eviction)
     )
     with model.moeflux:
         before = foreign_threads()
@@ -1014,11 +995,9 @@ def gen(m, n=8):
     return [int(t) for (t, _), _ in zip(generate_step(prompt, m, max_tokens=n), range(n))]
 rng = random.Random(seed)
 report = {}
-import inspect
 configs = [("pread-staging", "pread", 0, {}), ("mmap-staging", "mmap", 0, {}),
-           ("pread-lru", "pread", "0.4MB", {}), ("mmap-lru", "mmap", "0.4MB", {})]
-if "prefetch" in inspect.signature(moeflux_mlx.load).parameters:
-    configs.append(("pread-lru-prefetch", "pread", "0.4MB", {"prefetch": True}))
+           ("pread-cached", "pread", "0.4MB", {}), ("mmap-cached", "mmap", "0.4MB", {}),
+           ("pread-lru", "pread", "0.4MB", {"eviction": "lru"})]
 for name, io, budget, opts in configs:
     model, _ = moeflux_mlx.load(path, expert_io=io, cache_budget=budget, **opts)
     ref = gen(model)

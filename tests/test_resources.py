@@ -15,6 +15,7 @@ measures the rest; it also reports the figure without it.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -28,6 +29,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import moeflux_mlx
+from moeflux_mlx.options import LoadOptions, Tuning
 from tests.support import synth
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,31 +68,27 @@ def mapped(path: Path) -> int:
         return sum(str(path) in line for line in f)
 
 
-def prefetch_opts(prefetch):
-    import inspect
-
-    if prefetch and "prefetch" not in inspect.signature(moeflux_mlx.load).parameters:
-        pytest.skip("this moeflux_mlx.load has no prefetch option")
-    return {"prefetch": True} if prefetch else {}
+def tuned(threads: int) -> LoadOptions:
+    return LoadOptions(tuning=Tuning(threads=threads))
 
 
 @pytest.mark.parametrize(
-    "io,budget,threads,prefetch",
+    "io,budget,threads",
     [
-        ("pread", 0, 8, False),
-        ("mmap", 0, 8, False),
-        ("pread", "0.4MB", 8, False),
-        ("mmap", None, 8, False),
-        ("pread", 0, 1, False),
-        ("pread", "0.4MB", 8, True),
-        ("mmap", "0.4MB", 8, True),
+        ("pread", 0, 8),
+        ("mmap", 0, 8),
+        ("pread", "0.4MB", 8),
+        ("mmap", None, 8),
+        ("pread", 0, 1),
+        ("mmap", "0.4MB", 8),
     ],
 )
-def test_close_releases_everything(dst, io, budget, threads, prefetch):
+def test_close_releases_everything(dst, io, budget, threads):
+    # models an earlier test left to the garbage collector close their files now, not mid-test
+    gc.collect()
     before_fds = fds()
     before_threads = {t.ident for t in threading.enumerate()}
-    opts = prefetch_opts(prefetch)
-    model, _ = moeflux_mlx.load(dst, expert_io=io, cache_budget=budget, threads=threads, **opts)
+    model, _ = moeflux_mlx.load(dst, expert_io=io, cache_budget=budget, options=tuned(threads))
     steps = generate_step(mx.array(PROMPT), model, max_tokens=4)
     assert len([t for t, _ in zip(steps, range(4))]) == 4
     store = model.moeflux.store
@@ -103,7 +101,7 @@ def test_close_releases_everything(dst, io, budget, threads, prefetch):
     assert {t.ident for t in threading.enumerate()} <= before_threads
     assert store.closed and all(getattr(s, "fd", -1) == -1 for s in store.layers.values())
     # the context-manager form
-    model, _ = moeflux_mlx.load(dst, expert_io=io, cache_budget=budget, threads=threads, **opts)
+    model, _ = moeflux_mlx.load(dst, expert_io=io, cache_budget=budget, options=tuned(threads))
     with model.moeflux as rt:
         assert rt is model.moeflux
         list(zip(generate_step(mx.array(PROMPT), model, max_tokens=2), range(2)))
@@ -151,15 +149,14 @@ def snap(i, t0):
     return dict(cycle=i, fds=len(os.listdir("/proc/self/fd")), threads=threading.active_count(),
                 tasks=len(os.listdir("/proc/self/task")), rss=proc.memory_info().rss, maps=maps,
                 mlx_active=mx.get_active_memory(), t=time.perf_counter() - t0)
-import inspect
-pf = {"prefetch": True} if "prefetch" in inspect.signature(moeflux_mlx.load).parameters else {}
-configs = [("pread", 0, {}), ("mmap", 0, {}), ("pread", "0.4MB", pf), ("mmap", None, {}),
-           ("mmap", "0.4MB", pf)]
+from moeflux_mlx.options import LoadOptions, Tuning
+tuned = LoadOptions(tuning=Tuning(threads=4))
+configs = [("pread", 0), ("mmap", 0), ("pread", "0.4MB"), ("mmap", None), ("mmap", "0.4MB")]
 samples = []
 t0 = time.perf_counter()
 for i in range(1, n + 1):
-    io, budget, opts = configs[i % len(configs)]
-    model, tok = moeflux_mlx.load(path, expert_io=io, cache_budget=budget, threads=4, **opts)
+    io, budget = configs[i % len(configs)]
+    model, tok = moeflux_mlx.load(path, expert_io=io, cache_budget=budget, options=tuned)
     steps = generate_step(prompt, model, max_tokens=2)
     if i % 2:
         with model.moeflux:

@@ -22,6 +22,7 @@ import moeflux_mlx
 from moeflux_mlx.format.checkpoint import expert_layout
 from moeflux_mlx.io.store import select_expert_io
 from moeflux_mlx.model.switch import StreamingSwitchGLU
+from moeflux_mlx.options import LoadOptions, Tuning
 from tests.support import synth
 
 MAX_TOKENS = 64
@@ -117,7 +118,7 @@ def test_direct_equals_stock_mlx_lm(tiny_checkpoints, references, arch, source, 
         packed if source == "packed" else src,
         expert_io="direct",
         cache_budget=int(total * budget),
-        threads=3,
+        options=LoadOptions(tuning=Tuning(threads=3)),
         **EXACT,
     )
     with model.moeflux as rt:
@@ -169,7 +170,7 @@ def test_cache_budgets_equal_stock(tiny_checkpoints, references, arch, budget):
     with model.moeflux as rt:
         _assert_same(_two_turns(model, prompts), want)
         t = rt.stats_dict()["total"]
-        assert rt.cache.policy_class.name == "transition"  # the default (CUDA's table's too)
+        assert rt.cache.slots.policy.name == "transition"  # the default (CUDA's table's too)
         if budget == "all":  # filled once, then no host syncs at all
             assert t["unsynced_calls"] > 0.9 * t["calls"]
             assert t["experts_read"] == sum(lay.num_experts for lay in rt.layout.layers.values())

@@ -18,6 +18,7 @@ from benchmarks.lib.report import summary_lines
 from benchmarks.lib.routing import RoutingTrace
 from benchmarks.lib.trace_routing import TraceRoutingError, drive_routing, rewind_routing
 from moeflux_mlx.format.checkpoint import expert_layout
+from moeflux_mlx.options import share_of_experts
 from tests.support import synth
 
 EXPERTS, TOP_K, LAYERS = 16, 4, 2  # synth's tiny qwen3_moe
@@ -73,7 +74,7 @@ def test_stock_routers_pick_the_traced_experts_in_order(ckpt, monkeypatch):
 def test_streamed_model_replays_the_same_and_decodes_as_stock(ckpt):
     trace = _trace()
     stock, _ = mlx_load(str(ckpt))
-    streamed, _ = moeflux_mlx.load(ckpt, cache_budget=0.25)
+    streamed, _ = moeflux_mlx.load(ckpt, cache_budget=share_of_experts(0.25))
     drive_routing(stock, trace)
     drive_routing(streamed, trace)
     assert _decode(streamed) == _decode(stock)
@@ -158,13 +159,16 @@ def test_a_trace_of_another_shape_is_refused(ckpt, trace, message):
         drive_routing(model, trace)
 
 
-def test_decode_benchmark_refuses_prefetch_and_bad_files_in_one_line(ckpt, tmp_path):
+def test_decode_benchmark_refuses_removed_flags_and_bad_files_in_one_line(ckpt, tmp_path):
+    """A bad trace, and the flags that went with prefetch (``--prefetch``, and
+    ``--trace-predictor``, which only fed it), are refused in one line, not ignored."""
     bad = tmp_path / "bad.npz"
     bad.write_bytes(b"not a trace")
     good = _trace().save(tmp_path / "t.npz")
     for trace, flags, words in (
-        (bad, ["--prefetch", "off"], "not a readable routing trace"),
-        (good, ["--prefetch", "on"], "use --prefetch off"),
+        (bad, [], "not a readable routing trace"),
+        (good, ["--prefetch", "on"], "unrecognized arguments: --prefetch"),
+        (good, ["--trace-predictor", "ridge"], "unrecognized arguments: --trace-predictor"),
     ):
         r = subprocess.run(
             [
@@ -184,56 +188,6 @@ def test_decode_benchmark_refuses_prefetch_and_bad_files_in_one_line(ckpt, tmp_p
         assert r.returncode == 2, r.stderr
         lines = [ln for ln in r.stderr.splitlines() if "error" in ln]
         assert len(lines) == 1 and words in lines[0] and "Traceback" not in r.stderr
-
-
-def _with_predictions(trace: RoutingTrace, eval_from: int, seed: int = 1) -> RoutingTrace:
-    """``trace`` with recorded 'ridge' predictions (2 x top-k ranked experts per next layer)
-    for positions ``eval_from`` on: here, the next layer's true experts first, then noise."""
-    rng = np.random.default_rng(seed)
-    tokens = trace.routed.shape[0] - eval_from
-    pred = np.zeros((tokens, LAYERS - 1, 2 * TOP_K), np.int64)
-    for t in range(tokens):
-        for j in range(LAYERS - 1):
-            truth = trace.routed[eval_from + t, j + 1]
-            rest = rng.permutation(np.setdiff1d(np.arange(EXPERTS), truth))[:TOP_K]
-            pred[t, j] = np.concatenate([truth, rest])
-    trace.predicted = {"ridge": pred}
-    trace.pred_layers = list(range(1, LAYERS))
-    trace.eval_from = eval_from
-    return trace
-
-
-def test_prefetch_replays_the_trace_s_predictions_where_they_start(ckpt):
-    trace = _with_predictions(_trace(tokens=60), eval_from=20)
-    stock, _ = mlx_load(str(ckpt))
-    drive_routing(stock, trace, predictions="ridge")
-    want = _decode(stock)
-    budget = int(0.4 * expert_layout(ckpt).total_expert_bytes)
-    model, _ = moeflux_mlx.load(ckpt, cache_budget=budget, backend="ops", prefetch=True)
-    with model.moeflux as rt:
-        drive_routing(model, trace, predictions="ridge")
-        calls = []
-        predictor = rt.cache.predictor
-        rt.cache.predictor = lambda layer, x, k: calls.append(predictor(layer, x, k)) or calls[-1]
-        assert _decode(model) == want
-        # decode calls of layer 0 got layer 1's true experts of the replayed position first
-        got = [c for c in calls if c is not None]
-        assert got and all(nxt == 1 and a.shape[-1] == TOP_K for nxt, a in got)
-        routed_1 = {tuple(sorted(r)) for r in trace.routed[20:, 1].tolist()}
-        rows = [tuple(sorted(r)) for _, a in got for r in np.array(a).reshape(-1, TOP_K).tolist()]
-        assert all(r in routed_1 for r in rows)
-        stats = rt.stats.total()
-        assert stats.prefetch_issued > 0 and stats.prefetch_hits > 0
-
-
-def test_replaying_predictions_needs_them_and_the_trace_s_layers(ckpt):
-    model, _ = mlx_load(str(ckpt))
-    with pytest.raises(TraceRoutingError, match="no recorded 'gate' predictions"):
-        drive_routing(model, _with_predictions(_trace(), 10), predictions="gate")
-    three = _trace(layers=3)
-    three.predicted = {"ridge": np.zeros((30, 2, 2 * TOP_K), np.int64)}
-    with pytest.raises(TraceRoutingError, match="needs the trace's 3 MoE layers"):
-        drive_routing(model, three, predictions="ridge")
 
 
 def test_the_report_says_the_tokens_are_meaningless_when_routing_is_replayed():

@@ -167,11 +167,12 @@ def test_the_bound_of_a_direct_run_reads_uncached(tiny_checkpoints):
 
 
 def test_background_reads_go_uncached_too(tiny_checkpoints, monkeypatch):
-    """The prefetcher (and the CUDA miss server's read ahead) read through ``store.read_one``:
-    uncached in ``direct`` mode, the same bytes as the pread store."""
+    """The CUDA miss server's reads (and its read ahead of a speculative pass's experts) go
+    through ``store.read_one`` in a thread of their own: uncached in ``direct`` mode, the same
+    bytes as the pread store."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from moeflux_mlx.errors import ModelClosedError
-    from moeflux_mlx.io.prefetch import Prefetcher
-    from moeflux_mlx.stats import Stats
 
     _, packed = tiny_checkpoints["qwen3_moe"]
     calls = []
@@ -184,13 +185,14 @@ def test_background_reads_go_uncached_too(tiny_checkpoints, monkeypatch):
     layer = min(layout.layers)
     experts = np.array([1, 5, 6])
     with direct, pread:
-        pf = Prefetcher(direct, Stats())
-        pf.submit(layer, experts)
-        for f in list(pf._pending.values()):
-            f.result()
-        assert len(calls) >= len(experts)  # each prefetched expert was read uncached
-        got = pf.read(layer, experts).copy()
-        pf.close()
+        got = aligned_empty(len(experts) * layout.layers[layer].blob_size).reshape(len(experts), -1)
+        with ThreadPoolExecutor(2) as background:
+            for f in [
+                background.submit(direct.read_one, layer, int(e), got[i])
+                for i, e in enumerate(experts)
+            ]:
+                f.result()
+        assert len(calls) >= len(experts)  # each expert was read uncached
         assert np.array_equal(got, pread.read(layer, experts))
         fd = next(iter(direct.layers[layer].file_descriptors().values()))
     with pytest.raises(ModelClosedError):

@@ -1,7 +1,7 @@
 """``benchmarks/decode.py``'s command line, and the pieces the other benchmark scripts share:
 the checkpoint a benchmark runs (a path, or a random-weight model built from ``--arch/--size``),
 routing replayed from a trace, and the research switches of the decode benchmark (I/O modes,
-prefetch, slot lookups, page-cache shares, paired rounds). ``moeflux-mlx bench``
+slot lookups, page-cache shares, paired rounds). ``moeflux-mlx bench``
 (``moeflux_mlx.commands.bench``) is the user's smaller version of it."""
 
 from __future__ import annotations
@@ -107,7 +107,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=["mmap", "pread"],
         help="I/O modes to run, of mmap,pread,direct (default: mmap,pread)",
     )
-    p.add_argument("--prefetch", default="both", choices=["off", "on", "both"])
     p.add_argument("--prompt-tokens", type=positive_int, default=128)
     p.add_argument(
         "--prompt-file",
@@ -159,14 +158,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "the output tokens are meaningless by design",
     )
     p.add_argument(
-        "--trace-predictor",
-        choices=("gate", "ridge"),
-        default=None,
-        help="with --routing-trace: replay from where the trace's recorded predictions start, "
-        "and hand prefetch what this predictor predicted there (gate: the next layer's router; "
-        "ridge: a linear map fitted to the model's own routing); needed for --prefetch on",
-    )
-    p.add_argument(
         "--page-cache",
         type=_page_cache,
         default="dropped",
@@ -214,24 +205,17 @@ def _prompt_ids(text_file: Optional[Path], model: Path, n: int) -> Optional[List
     return ids
 
 
-def replayed_routing(trace_path: Optional[Path], prefetch, predictor: Optional[str] = None):
+def replayed_routing(trace_path: Optional[Path]):
     """``run_benchmark``'s ``prepare`` hook for ``--routing-trace`` (None: models as loaded)."""
     if trace_path is None:
-        if predictor is not None:
-            raise UsageError("--trace-predictor replays a trace's predictions: add --routing-trace")
         return None
-    if any(prefetch) and predictor is None:
-        raise UsageError(
-            "--routing-trace replaces the routers that prefetch predicts from: use --prefetch "
-            "off, or --trace-predictor gate|ridge to prefetch what the trace's predictor predicted"
-        )
     trace = load_trace(trace_path)
     say(
         f"Routing replayed from {trace_path} ({trace.routed.shape[0]} tokens, "
         f"{len(trace.layers)} layers, {trace.num_experts[0]} experts, top-{trace.top_k}): "
         "the output tokens are meaningless by design."
     )
-    return lambda model: drive_routing(model, trace, trace_path, predictor)
+    return lambda model: drive_routing(model, trace, trace_path)
 
 
 def benchmark_model(args: argparse.Namespace) -> Tuple[Path, Optional[Path]]:
@@ -284,8 +268,7 @@ def run(args: argparse.Namespace) -> int:
     io_modes = args.io if isinstance(args.io, list) else io_list(args.io)
     model, stock_path = benchmark_model(args)
     out = Path(args.out).expanduser()
-    prefetch = {"off": (False,), "on": (True,), "both": (False, True)}[args.prefetch]
-    prepare = replayed_routing(args.routing_trace, prefetch, args.trace_predictor)
+    prepare = replayed_routing(args.routing_trace)
     result = run_benchmark(
         model,
         budgets=budgets,
@@ -297,13 +280,11 @@ def run(args: argparse.Namespace) -> int:
         stock_path=stock_path,
         backend=args.bench_backend,
         repeats=args.repeats,
-        prefetch=prefetch,
         prepare=prepare,
         page_cache=args.page_cache,
         lookup=args.lookup,
     )
     result["routing_trace"] = str(args.routing_trace) if args.routing_trace else None
-    result["trace_predictor"] = args.trace_predictor
     print(format_table(result))
     for line in summary_lines(result):
         print(line)

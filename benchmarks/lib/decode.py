@@ -1,8 +1,8 @@
 """The decode benchmark's research runs: stock mlx-lm and moeflux-mlx side by side, in one
 process and one run, built on the product's runner (``moeflux_mlx.measure``).
 
-For each configuration (stock when the model fits; moeflux at several cache budgets, I/O modes,
-prefetch off/on, both slot lookups where the device-side table runs) it times prefill and greedy
+For each configuration (stock when the model fits; moeflux at several cache budgets and I/O modes,
+both slot lookups where the device-side table runs) it times prefill and greedy
 decode, and reads the streaming counters: experts and bytes read per token, hit rate, time per
 token in sync / I/O / upload. Budgets below 100% run cold (the page cache dropped all along, once,
 or held to a share of the experts); the disk's cold read bandwidth gives the decode rate it
@@ -34,7 +34,7 @@ from moeflux_mlx.format.checkpoint import expert_layout
 from moeflux_mlx.io.bandwidth import PageCacheDropper, drop_page_cache, expert_files, read_bandwidth
 from moeflux_mlx.model.load import load
 from moeflux_mlx.model.runtime import use_table
-from moeflux_mlx.options import LoadOptions
+from moeflux_mlx.options import LoadOptions, Tuning
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,6 @@ class DecodeRun(measure.DecodeRun):
         "-"  # decode slot lookup: "device" (GPU table, host only on misses), "host" (sync)
     )
     cold: bool = False
-    prefetch_issued_per_token: float = 0.0  # experts read ahead on a prediction
-    prefetch_hits_per_token: float = 0.0  # misses a read-ahead had already served
     gpu_waits_per_token: float = 0.0  # device-side table: GPU waits for the miss server
     gpu_wait_ms_per_token: float = 0.0  # their time, the server's reads included
     other_ms_per_token: float = 0.0
@@ -92,15 +90,11 @@ class DecodeRun(measure.DecodeRun):
 
 
 def load_for_benchmark(path, device_table=None, **options):
-    """``load`` with the benchmark's choice of slot lookup: ``device_table`` None (where CUDA
-    is), True, False, or ``"all"``: every layer through the device-side table, fully cached ones
-    included (what the lookup itself costs)."""
-    every = device_table == "all"
+    """``load`` with the benchmark's choice of slot lookup, which the machine makes for a user
+    (``Tuning.device_table``): None (where CUDA is), True or False."""
     return load(
         path,
-        options=LoadOptions.resolve(
-            device_table=True if every else device_table, table_every_layer=every or None, **options
-        ),
+        options=LoadOptions.resolve(tuning=Tuning(device_table=device_table), **options),
     )
 
 
@@ -126,12 +120,12 @@ class ColdTiming(measure.Timing):
     cold only at their start), lets the page cache keep what RAM lets it keep (``kept``), or
     holds all of RAM but that share of the experts' bytes around it (a float). It measures the
     disk's cold rate right before and after (the I/O bound's), what the disk read, and what
-    the page cache held at the end; ``finish`` adds those, and the lookups', prefetch's and the
-    device table's counters, to the run."""
+    the page cache held at the end; ``finish`` adds those, and the lookups' and the device
+    table's counters, to the run."""
 
-    def __init__(self, model, path: Path, cold: bool, bandwidth, page_cache, prefetch: bool):
+    def __init__(self, model, path: Path, cold: bool, bandwidth, page_cache):
         self.rt, self.path, self.cold = model.moeflux, Path(path), cold
-        self.bandwidth, self.page_cache, self.prefetch = bandwidth, page_cache, prefetch
+        self.bandwidth, self.page_cache = bandwidth, page_cache
         self.files = expert_files(path)
         self.total = expert_layout(path).total_expert_bytes
         self.around: List[float] = []
@@ -178,10 +172,7 @@ class ColdTiming(measure.Timing):
         run.lookup = (
             "-" if t.calls == t.unsynced_calls and not table else ("device" if table else "host")
         )
-        run.name += " +prefetch" if self.prefetch else ""
         run.cold = self.cold
-        run.prefetch_issued_per_token = t.prefetch_issued / n
-        run.prefetch_hits_per_token = t.prefetch_hits / n
         run.gpu_waits_per_token = t.gpu_waits / n
         run.gpu_wait_ms_per_token = 1e3 * t.gpu_wait_s / n
         # the device table's reads happen inside the GPU's waits
@@ -213,7 +204,6 @@ def _run_moeflux(
     cold,
     bandwidth,
     backend=None,
-    prefetch=False,
     device_table=None,
     prepare=measure.as_is,
     page_cache="dropped",
@@ -224,10 +214,9 @@ def _run_moeflux(
         expert_io=io_mode,
         cache_budget=measure.cache_budget(path, budget_fraction),
         backend=backend,
-        prefetch=prefetch,
     )
     prepare(model)
-    timing = ColdTiming(model, path, cold, bandwidth, page_cache, prefetch)
+    timing = ColdTiming(model, path, cold, bandwidth, page_cache)
     return measure.run_moeflux(
         model, prompt, decode_tokens, budget_fraction, run_type=DecodeRun, timing=timing
     )
@@ -242,10 +231,9 @@ def sync_overhead(
 ) -> Optional[float]:
     """ms per MoE layer that a layer's slot lookup costs: the run at ``budget`` with ``lookup``
     (``host``: one sync per layer, ``device``: the GPU table; 99%: nearly all hits, the few
-    misses' reads included; 100% with the device table: every expert resident and still
-    looked up, the lookup alone) against the 100% run that looks nothing up (slot == expert
-    id), same I/O mode."""
-    by = {(r.io_mode, r.budget, r.lookup): r for r in runs if not r.name.endswith("+prefetch")}
+    misses' reads included) against the 100% run that looks nothing up (slot == expert id),
+    same I/O mode."""
+    by = {(r.io_mode, r.budget, r.lookup): r for r in runs}
     deltas = [
         1e3 * (1 / by[(io, budget, lookup)].decode_tps - 1 / r.decode_tps) / moe_layers
         for (io, b, lk), r in by.items()
@@ -274,14 +262,11 @@ def _paired_resident(
     io_mode,
     backends,
     n,
-    table: bool = False,
     prepare=measure.as_is,
 ) -> dict:
     """Stock mlx-lm and moeflux with every expert resident (one model per backend), all loaded
     at once and decoding in turn, ``n`` rounds: decode tok/s of each, and per backend the median
     of its per-round ratio to stock (slow drifts of the machine hit both sides of a round).
-    ``table``: the last backend once more, every expert looked up through the device-side
-    table; ``table_lookup_ms_per_layer`` is then the median per-round cost of that lookup.
     The rounds also decode with the experts' computation skipped (``SkippedExperts``): its
     ratio to stock is the ceiling of what faster expert kernels can give this model."""
     import statistics
@@ -297,16 +282,6 @@ def _paired_resident(
                 m.moeflux.close()
                 continue
             models[name] = m
-        direct = name
-        if table:
-            m, _ = load_for_benchmark(
-                path, "all", expert_io=io_mode, cache_budget="all", backend=backends[-1]
-            )
-            if m.moeflux.cache.name != "table":  # the table cannot run here
-                m.moeflux.close()
-                table = False
-            else:
-                models[f"{direct} table"] = m
         m, _ = load(path, expert_io=io_mode, cache_budget="all", backend="ops")
         m.moeflux.backend = SkippedExperts()
         models[CEILING] = m
@@ -332,11 +307,6 @@ def _paired_resident(
             for k, v in tps.items()
         },
     }
-    if table:
-        layers = _moe_layers(Path(path))
-        out["table_lookup_ms_per_layer"] = statistics.median(
-            1e3 * (1 / t - 1 / d) / layers for d, t in zip(tps[direct], tps[f"{direct} table"])
-        )
     return out
 
 
@@ -359,7 +329,6 @@ def run_benchmark(
     stock=True,
     stock_path=None,
     backend=None,
-    prefetch=(False,),
     seed=0,
     repeats=1,
     prepare=measure.as_is,
@@ -392,40 +361,34 @@ def run_benchmark(
     if stock and measure.can_run_stock(stock_path):
         runs.append(measure.run_stock(stock_path, prompt, decode_tokens, prepare, DecodeRun))
     # budgets below 100% run with both slot lookups where the device-side table is available
-    lookups = (False, True) if use_table(None) else (None,)
+    lookups = (False, True) if use_table(Tuning()) else (None,)
     if len(lookups) == 2 and lookup != "both":
         lookups = (lookup == "device",)
     for io_mode in io_modes:
         for frac in budgets:
-            for pf in prefetch if frac < 1 else (False,):
-                # at 100%, "all" looks every (resident) expert up through the table: its own cost
-                tables = lookups if frac < 1 else (None, "all") if lookups[-1] else (None,)
-                for table in tables:
-                    try:
-                        runs.append(
-                            _run_moeflux(
-                                path,
-                                prompt,
-                                decode_tokens,
-                                io_mode,
-                                frac,
-                                cold=frac < 1,
-                                bandwidth=bandwidth,
-                                backend=backend,
-                                prefetch=pf,
-                                device_table=table,
-                                prepare=prepare,
-                                page_cache=page_cache,
-                            )
-                        )
-                    except DeviceWaitError as e:  # the table path stalled: say so, go on
-                        log.warning(
-                            "%s %.0f%% with the device-side table failed: %s",
+            # at 100% every expert is resident: nothing is looked up
+            for table in lookups if frac < 1 else (None,):
+                try:
+                    runs.append(
+                        _run_moeflux(
+                            path,
+                            prompt,
+                            decode_tokens,
                             io_mode,
-                            100 * frac,
-                            e,
+                            frac,
+                            cold=frac < 1,
+                            bandwidth=bandwidth,
+                            backend=backend,
+                            device_table=table,
+                            prepare=prepare,
+                            page_cache=page_cache,
                         )
-                        failures.append(f"{io_mode} {frac:.0%} device table: {e}")
+                    )
+                except DeviceWaitError as e:  # the table path stalled: say so, go on
+                    log.warning(
+                        "%s %.0f%% with the device-side table failed: %s", io_mode, 100 * frac, e
+                    )
+                    failures.append(f"{io_mode} {frac:.0%} device table: {e}")
     ref = runs[0] if runs and runs[0].name == measure.STOCK else None
     paired = (
         _paired_resident(
@@ -436,7 +399,6 @@ def run_benchmark(
             io_modes[0],
             paired_backends(backend),
             repeats,
-            table=use_table(None),
             prepare=prepare,
         )
         if ref is not None and repeats > 1
@@ -448,7 +410,6 @@ def run_benchmark(
         runs,
         sync_overhead_ms_per_layer=sync_overhead(runs, layers),
         device_lookup_overhead_ms_per_layer=sync_overhead(runs, layers, "device"),
-        device_lookup_only_ms_per_layer=sync_overhead(runs, layers, "device", "100%"),
         paired_resident=paired,
         failures=failures,
         cold_read_gb_s=bandwidth / 1e9,

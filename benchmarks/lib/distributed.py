@@ -42,6 +42,7 @@ from moeflux_mlx.io.bandwidth import PageCacheDropper, expert_files
 from moeflux_mlx.measure import timed_greedy
 from moeflux_mlx.model.load import load
 from moeflux_mlx.model.sharded import sharded_load
+from moeflux_mlx.options import LoadOptions, Tuning, parse_budget
 
 # what mlx.launch sets for a rank; a launch sets its own, never inherits them
 _LAUNCH_VARS = ("MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE", "NCCL_HOST_IP", "NCCL_PORT")
@@ -210,7 +211,8 @@ def run_step(step: dict, spec: dict, group) -> dict:
             expert_io=spec.get("expert_io", "pread"),
             cache_budget=step["budget"],
             backend=step.get("backend"),
-            device_table=step.get("device_table"),
+            # the slot lookup, the machine's choice for a user: a step may set it
+            options=LoadOptions(tuning=Tuning(device_table=step.get("device_table"))),
         )
         if groups:
             model, _ = sharded_load(spec["model"], **groups, **opts)
@@ -220,7 +222,9 @@ def run_step(step: dict, spec: dict, group) -> dict:
     out: Dict[str, dict] = {}
     try:
         if spec.get("trace"):
-            drive_routing(model, load_trace(spec["trace"]), spec["trace"], None, spec["moe_layers"])
+            drive_routing(
+                model, load_trace(spec["trace"]), spec["trace"], moe_layers=spec["moe_layers"]
+            )
         _decode(model, prompt, 4)  # warm-up: kernels of these shapes, allocator, page cache
         for phase in step.get("phases", ["warm"]):
             cold = phase == "cold" and rt is not None
@@ -239,7 +243,9 @@ def run_step(step: dict, spec: dict, group) -> dict:
             out["share"] = {
                 "mb": rt.layout.total_expert_bytes / 1e6,
                 "layers": sorted(rt.layout.layers),
-                "budget_mb": rt.cache.budget_bytes / 1e6,
+                # the budget this process was given (its slots hold what fits in it)
+                "budget_mb": parse_budget(rt.options.cache_budget, rt.layout.total_expert_bytes)
+                / 1e6,
             }
     finally:
         if rt is not None:

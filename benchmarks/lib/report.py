@@ -23,8 +23,6 @@ COLUMNS = [
     ("mb_read_per_token", "MB read/tok", "{:.1f}"),
     ("disk_mb_per_token", "disk MB/tok", "{:.1f}"),
     ("hit_rate", "hit", "{:.0%}"),
-    ("prefetch_issued_per_token", "read ahead/tok", "{:.1f}"),
-    ("prefetch_hits_per_token", "prefetched/tok", "{:.1f}"),
     ("sync_ms_per_token", "sync ms/tok", "{:.2f}"),
     ("io_ms_per_token", "io ms/tok", "{:.2f}"),
     ("upload_ms_per_token", "upload ms/tok", "{:.2f}"),
@@ -60,10 +58,6 @@ def summary_lines(result: dict) -> List[str]:
             "device_lookup_overhead_ms_per_layer",
             "device-side table (99% budget, nearly all hits, the misses' reads and waits included",
         ),
-        (
-            "device_lookup_only_ms_per_layer",
-            "device-side table alone (100% budget, every expert resident and looked up",
-        ),
     ):
         if result.get(key) is not None:
             note = " (negative: within run-to-run noise)" if result[key] < 0 else ""
@@ -93,12 +87,6 @@ def summary_lines(result: dict) -> List[str]:
                 "Ceiling: with the experts' computation skipped (no weight read, no kernel), "
                 f"the rest of the model decodes at {ceiling['median_ratio']:.2f}x stock; "
                 "no expert kernel can make this model faster than that."
-            )
-        if paired.get("table_lookup_ms_per_layer") is not None:
-            out.append(
-                "Slot lookup overhead per MoE layer, device-side table alone, from those "
-                "rounds (the kernels with and without every expert looked up, median): "
-                f"{paired['table_lookup_ms_per_layer']:.3f} ms"
             )
     return out
 

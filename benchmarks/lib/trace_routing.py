@@ -12,16 +12,12 @@ compared as usual.
 A model with more MoE layers than the trace reuses the trace's layers in turn, each reuse
 starting at another position of the trace so that no two layers replay the same sequence.
 
-Prefetch predicts the next layer's experts from this layer's input, which a replayed router
-does not route by; with ``predictions`` (a predictor the trace recorded: ``gate`` or ``ridge``)
-prefetch is handed instead what that predictor predicted at each replayed position, so it is
-as right and as wrong as on the trained model, at the big model's read sizes.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -80,33 +76,6 @@ class TraceRouter(nn.Module):
         return mx.array(self._rows[idx].reshape(*lead, -1)).astype(x.dtype)
 
 
-class TracePredictor:
-    """Prefetch's predictor (``cache.protocol.Predictor``) replaying a trace's recorded
-    predictions: for this layer's call, what the predictor predicted for the next layer at the
-    position that layer's ``TraceRouter`` replays next.
-
-    Args:
-        ahead: layer -> (next layer, its router, ``[tokens, m]`` the predictions of its experts,
-            ranked, for trace positions ``offset`` on).
-        offset: the trace position of the predictions' first row.
-    """
-
-    def __init__(self, ahead: Dict[int, Tuple[int, TraceRouter, np.ndarray]], offset: int):
-        self.ahead, self.offset = ahead, offset
-
-    def __call__(self, layer: int, x: mx.array, k: int) -> Optional[Tuple[int, mx.array]]:
-        found = self.ahead.get(layer)
-        if found is None:
-            return None
-        nxt, router, pred = found
-        lead = x.shape[:-1]
-        n = int(np.prod(lead)) if lead else 1
-        pos = (router._pos + np.arange(n)) % router._rows.shape[0] - self.offset
-        if (pos < 0).any() or (pos >= pred.shape[0]).any():
-            return None  # positions the predictor did not predict (it was fitted there)
-        return nxt, mx.array(pred[pos, :k].reshape(*lead, k).astype(np.uint32))
-
-
 def _expert_sites(model: nn.Module) -> List[Tuple[str, int]]:
     """(path, decoder layer) of every routed-experts module, streamed or stock, in model order."""
     streamed = [(p, m.layer) for p, m in model.named_modules() if isinstance(m, StreamingSwitchGLU)]
@@ -119,7 +88,6 @@ def drive_routing(
     model: nn.Module,
     trace: RoutingTrace,
     where: Union[str, Path] = "trace",
-    predictions: Optional[str] = None,
     moe_layers: Optional[Sequence[int]] = None,
 ) -> int:
     """Replace every MoE layer's router of ``model`` by a ``TraceRouter`` over ``trace``.
@@ -128,10 +96,6 @@ def drive_routing(
         model: an mlx-lm model, stock or loaded by ``moeflux_mlx.load``.
         trace: the routing to replay; its experts per layer and top-k must be the model's.
         where: the trace's name, for messages.
-        predictions: a predictor the trace recorded (``gate``, ``ridge``): the replay starts
-            where its predictions start, and a prefetching streamed model is handed them
-            (``TracePredictor``). None: replay from the trace's start; a prefetching model then
-            predicts from the replaced routers' weights, which says nothing.
         moe_layers: the decoder layers of the whole model's MoE layers, where ``model`` holds
             only some of them (a pipeline stage): each layer then replays what it replays in
             the whole model. None: the model's own.
@@ -142,8 +106,7 @@ def drive_routing(
     Raises:
         TraceRoutingError: the model has another number of experts or top-k than the trace, or
             a router that is not a plain linear layer (DeepSeek's ``MoEGate`` picks its own); or
-            ``predictions`` names no recorded predictor, or the model has another number of MoE
-            layers than the trace, or holds a layer ``moe_layers`` lacks.
+            the model holds a layer ``moe_layers`` lacks.
     """
     sites = _expert_sites(model)
     order = list(moe_layers) if moe_layers is not None else [layer for _, layer in sites]
@@ -154,19 +117,6 @@ def drive_routing(
     experts = trace.num_experts[0]
     if len(set(trace.num_experts)) != 1:
         raise TraceRoutingError(f"{where}: layers with different numbers of experts")
-    offset = 0
-    if predictions is not None:
-        if predictions not in trace.predicted:
-            have = ", ".join(sorted(trace.predicted)) or "none"
-            raise TraceRoutingError(
-                f"{where}: no recorded {predictions!r} predictions (it has: {have})"
-            )
-        if len(sites) != n_layers or len(order) != n_layers:
-            raise TraceRoutingError(
-                f"{where}: replaying predictions needs the trace's {n_layers} MoE layers, the "
-                f"model has {len(sites)}"
-            )
-        offset = trace.eval_from
     replaced = []
     tokens = trace.routed.shape[0]
     rows = [logit_rows(trace.routed[:, j], experts) for j in range(n_layers)]
@@ -190,26 +140,15 @@ def drive_routing(
                 f"{where}: top-{trace.top_k}, the model's layer {layer} routes top-{k}"
             )
         # another reuse of the same trace layer starts elsewhere, so layers do not move together
-        start = offset + (j // n_layers) * (tokens // max(1, -(-len(order) // n_layers)))
+        start = (j // n_layers) * (tokens // max(1, -(-len(order) // n_layers)))
         replaced.append((router_path, TraceRouter(rows[j % n_layers], start)))
     model.update_modules(tree_unflatten(replaced))
-    cache = getattr(getattr(model, "moeflux", None), "cache", None)
-    if predictions is not None and getattr(cache, "predictor", None) is not None:
-        routers = {layer: r for (_, layer), (_, r) in zip(sites, replaced)}
-        layer_at = {trace.layers[j]: site[1] for j, site in enumerate(sites)}
-        pred = trace.predicted[predictions]
-        ahead = {}
-        for j, nxt in enumerate(trace.pred_layers):
-            prev = trace.layers[trace.layers.index(nxt) - 1]
-            ahead[layer_at[prev]] = (layer_at[nxt], routers[layer_at[nxt]], pred[:, j])
-        cache.predictor = TracePredictor(ahead, offset)
     return len(replaced)
 
 
 def rewind_routing(model: nn.Module, shift: int = 0) -> int:
     """Send every ``TraceRouter`` of ``model`` to ``shift`` positions past where its replay
-    started, so that models compared round by round see the same routing, and a benchmark's
-    rounds stay where the trace's predictions are.
+    started, so that models compared round by round see the same routing.
 
     Args:
         model: a model ``drive_routing`` prepared.
