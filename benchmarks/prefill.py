@@ -97,7 +97,7 @@ class ReadLog:
     def __init__(self, store):
         self.store, self.calls = store, []
         self._read = store.read
-        store.read = self.read  # the caches call their reader, the store itself (no prefetch)
+        store.read = self.read  # the caches read through the store itself
 
     def read(self, layer, experts, out=None):
         self.calls.append((layer, experts.copy()))
@@ -172,7 +172,7 @@ def _round_shifts(args) -> list:
 
 
 def run(args) -> dict:
-    prepare = replayed_routing(args.routing_trace, [False])  # no prefetch: it left the package
+    prepare = replayed_routing(args.routing_trace)
     path, stock_path = build_model(args)
     total = expert_layout(path).total_expert_bytes
     files = expert_files(path)
