@@ -12,9 +12,9 @@ import time
 
 import psutil
 import pytest
-from tests.test_server import _free_port, _start, _stop, _wait_ready
 
 from moeflux_mlx.demo_model import checkpoint_path
+from tests.test_server import _free_port, _start, _stop, _wait_ready
 
 BODY_LIMIT = 65536
 PREFILL_STEP = 64  # small, so that a long prompt takes several prefill steps

@@ -13,9 +13,9 @@ import time
 
 import psutil
 import pytest
-from tests.test_server import _free_port, _start, _stop, _wait_ready
 
 from moeflux_mlx.demo_model import checkpoint_path
+from tests.test_server import _free_port, _start, _stop, _wait_ready
 
 CLIENTS = 32
 DURATION_S = float(os.environ.get("MOEFLUX_LOAD_SECONDS", "60"))
