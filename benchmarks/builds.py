@@ -111,7 +111,9 @@ def _child(variant: str, model: str, tokens: int) -> dict:
 
 
 def _run(variant: str, tree: Path, args) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])
+    )
     cmd = [sys.executable, __file__, "--child", variant, str(args.model)]
     cmd += ["--decode-tokens", str(args.decode_tokens)]
     print(f"  {variant} ...", file=sys.stderr, flush=True)
