@@ -80,6 +80,7 @@ from ..model.lookup_decoding import (
     LookupStats,
     stream_lookup_generate,
 )
+from ..model.runtime import MLX_LM_PREFILL_STEP
 from ..model.sharded import sharded_load
 from ..options import LoadOptions
 from .common import (
@@ -196,7 +197,13 @@ MLX_SERVER_FLAGS = (
     ("--prompt-concurrency", dict(type=positive_int, default=8, help="batched prompts")),
     (
         "--prefill-step-size",
-        dict(type=positive_int, default=2048, help="prefill step (default: 2048)"),
+        dict(
+            type=positive_int,
+            default=None,
+            help="prompt tokens per forward pass while prefilling (default: the loaded model's "
+            "choice: 2048, as mlx-lm, where every expert is resident; larger where experts "
+            "stream, so a prompt reads them fewer times)",
+        ),
     ),
     ("--prompt-cache-size", dict(type=int_at_least(0), default=10, help="distinct KV caches kept")),
     (
@@ -354,6 +361,8 @@ class StreamingModelProvider(mlx_server.ModelProvider):
     def __init__(self, cli_args: argparse.Namespace, options: LoadOptions):
         super().__init__(cli_args)
         self.options = options
+        # --prefill-step-size as given (None: each loaded model's own choice, set on load)
+        self.given_prefill_step = getattr(cli_args, "prefill_step_size", None)
 
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
         self._load_checkpoint(model_path, adapter_path, draft_model_path)
@@ -373,6 +382,7 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         path = resolve_model(str(model_path))
         if not has_routed_experts(path):
             log.warning("%s has no routed experts: loading it with mlx_lm.load", path)
+            self.cli_args.prefill_step_size = self.given_prefill_step or MLX_LM_PREFILL_STEP
             return super()._load(str(path), adapter_path, draft_model_path)
         if adapter_path is not None:
             raise CheckpointError(
@@ -398,6 +408,8 @@ class StreamingModelProvider(mlx_server.ModelProvider):
             )
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
+        # mlx-lm's server reads the step from its arguments at each request
+        self.cli_args.prefill_step_size = self.given_prefill_step or model.moeflux.prefill_step_size
         draft_model = None
         if draft_model_path is not None:
             draft_model, draft_tokenizer = mlx_lm.load(str(draft_model_path))

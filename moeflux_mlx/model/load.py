@@ -27,7 +27,7 @@ from ..format.layout import ExpertLayout
 from ..io.store import open_store
 from ..options import Budget, LoadOptions
 from .experts import find_experts, model_classes, no_experts_error
-from .runtime import StreamingRuntime
+from .runtime import StreamingRuntime, prefill_step
 from .switch import StreamingSwitchGLU
 
 log = logging.getLogger(__name__)
@@ -178,6 +178,7 @@ def patch_model(
     runtime = _make_runtime(source, opts)
     try:
         _replace_switch_modules(model, runtime, where=source)
+        runtime.prefill_step_size = prefill_step(model, runtime)
     except Exception:
         runtime.close()
         raise
@@ -257,6 +258,7 @@ def load(
         model, config = load_model(
             path, lazy=lazy, model_config=model_config, get_model_classes=get_classes
         )
+        runtime.prefill_step_size = prefill_step(model, runtime)
         # the random initial weights of the replaced experts were never evaluated; evaluate the
         # global key so it does not keep their lazy graph (about 75 KB per load) alive
         mx.eval(mx.random.state)

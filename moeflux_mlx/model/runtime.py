@@ -9,6 +9,8 @@ import logging
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
+import mlx.nn as nn
+import psutil
 
 from ..cache import wired
 from ..cache.expert_cache import ExpertCache
@@ -97,6 +99,43 @@ def machine_choices(tuning: Tuning) -> List[Tuple[str, str]]:
     )
 
 
+# what stock mlx-lm prefills in one forward pass (generate_step's ``prefill_step_size``)
+MLX_LM_PREFILL_STEP = 2048
+# larger steps a prompt may take where experts stream, largest first
+STREAMED_PREFILL_STEPS = (16384, 8192, 4096)
+# of the memory available at load, what one step's transient arrays may take
+PREFILL_MEMORY_SHARE = 0.1
+
+
+def prefill_step(model: nn.Module, runtime: StreamingRuntime) -> int:
+    """The prompt tokens a forward pass should take while prefilling (mlx-lm's
+    ``prefill_step_size``). Where every expert is resident, stock's 2048. Where experts stream,
+    every step of a prompt reads each partly cached layer whole, so fewer, larger steps read less:
+    the largest of ``STREAMED_PREFILL_STEPS`` whose transient arrays fit ``PREFILL_MEMORY_SHARE``
+    of the memory available, counting the attention scores of a step against itself (heads x
+    step^2 x 4 bytes, the worst case, where attention is not fused) and each token's hidden
+    states.
+
+    Args:
+        model: the mlx-lm model (its ``args`` give the attention heads and the hidden size).
+        runtime: its ``StreamingRuntime``.
+
+    Returns:
+        The step.
+    """
+    slots = runtime.cache.slots
+    if all(slots.n_slots[i] >= lay.num_experts for i, lay in runtime.layout.layers.items()):
+        return MLX_LM_PREFILL_STEP
+    args = getattr(model, "args", None)
+    hidden = int(getattr(args, "hidden_size", 0) or 4096)
+    heads = int(getattr(args, "num_attention_heads", 0) or max(1, hidden // 128))
+    room = PREFILL_MEMORY_SHARE * psutil.virtual_memory().available
+    for step in STREAMED_PREFILL_STEPS:
+        if heads * step * step * 4 + step * hidden * 64 <= room:
+            return step
+    return MLX_LM_PREFILL_STEP
+
+
 def make_cache(store: ExpertStore, layout: ModelLayout, options: LoadOptions) -> ExpertCache:
     """The cache for ``options``: slots under the budget (none at budget 0, or one too small
     for one expert per layer), the whole-layer prefill path, and, on CUDA, the device-side table
@@ -168,6 +207,9 @@ class StreamingRuntime:
         self.first_layer = min(layout.layers) if layout.layers else None
         self.closed = False
         self.verifying = False  # see verifying_drafts
+        # the prompt tokens a prefill's forward pass should take (``prefill_step``), set by the
+        # loader once the model is built; give it to mlx-lm's generate functions
+        self.prefill_step_size = MLX_LM_PREFILL_STEP
         self._reads_outside: Dict[tuple, bool] = {}  # see reads_outside
 
     @contextlib.contextmanager

@@ -37,7 +37,7 @@ from ..io.store import open_store
 from ..options import LoadOptions
 from .experts import ExpertModule, find_experts, model_classes
 from .load import _expert_keys_dropper, _options, _replace_switch_modules
-from .runtime import StreamingRuntime
+from .runtime import StreamingRuntime, prefill_step
 
 log = logging.getLogger(__name__)
 
@@ -283,6 +283,7 @@ def sharded_load(
     try:
         if experts:  # a stage of dense layers only streams nothing
             _replace_switch_modules(model, runtime, config, path)
+            runtime.prefill_step_size = prefill_step(model, runtime)
         mx.eval(model.parameters(), mx.random.state)
         # as mlx-lm: every process has loaded before the first collective of a forward pass;
         # on the group's own stream (mlx-lm's stream=mx.cpu fails under MLX 0.32's NCCL)
