@@ -457,7 +457,8 @@ class StreamingResponseGenerator(mlx_server.ResponseGenerator):
       before any prefill, and shares one lock with the handlers' token counts (a Hugging Face
       tokenizer is not safe to call from two threads at once);
     - a request served alone (``_serve_single``: a seed, a draft model) stops between two prefill
-      steps once its context is stopped (``_StoppableQueue``); batched requests already do.
+      steps once its context is stopped (``_StoppableQueue``); batched requests leave the batch
+      after the step that noticed the stop (no time budget between those checks).
 
     With prompt lookup, it also gives the ``PromptLookup`` each request's whole prompt
     (``stream_generate`` gets only the part the prompt cache lacks).
@@ -467,6 +468,13 @@ class StreamingResponseGenerator(mlx_server.ResponseGenerator):
     """
 
     models: Any = {}  # a ModelTable (or a dict of name: (path, limits))
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # mlx-lm's batch loop drops the requests stopped during a time budget (0.5 s of steps)
+        # only once the budget is spent; with none, after the very step that noticed the stop,
+        # so a client that leaves frees the loop within one prefill step or one token
+        self._time_budget = mlx_server.TimeBudget(budget=0.0)
 
     def limits_for(self, name: Optional[str]) -> Optional[ModelLimits]:
         """Returns: the limits of the model a request names, or None where none are known."""
