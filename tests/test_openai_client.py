@@ -2,6 +2,7 @@
 127.0.0.1 (a free port) on a machine with no Hugging Face cache folder. Models, chat, streamed
 chat, completions, refused requests, and a client that goes away mid-reply."""
 
+import contextlib
 import json
 import os
 import re
@@ -26,14 +27,12 @@ REQUEST_TIMEOUT = 60
 LIMIT = 1_000_000  # --max-tokens-limit: large, so that a reply can outlast its client
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """``(base_url, model_id, log_path, process)`` of a running server; stopped at the end."""
-    root = tmp_path_factory.mktemp("openai")
-    src = synth.build_checkpoint(root / "qwen3_moe", "qwen3_moe", "tiny")
-    packed = convert(src, root / "qwen3_moe-packed", progress=False)
+@contextlib.contextmanager
+def serving(root: Path, args: list):
+    """``(base_url, model_id, log_path, process)`` of ``moeflux-mlx server ARGS`` on a free port,
+    with no Hugging Face cache folder at all (mlx-lm's /v1/models scan of it raises there);
+    stopped at the end, which must leave no traceback and exit 0."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MOEFLUX_", "HF_"))}
-    # no Hugging Face cache folder at all: mlx-lm's /v1/models scan of it raises there
     env.update(
         PYTHONPATH=str(REPO),
         HF_HOME=str(root / "no-hf-home"),
@@ -43,8 +42,7 @@ def server(tmp_path_factory):
     log = root / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "moeflux_mlx.cli", "server", "--model", str(packed)]
-            + ["--port", "0", "--max-tokens", "8", "--max-tokens-limit", str(LIMIT)],
+            [sys.executable, "-m", "moeflux_mlx.cli", "server", "--port", "0", *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
@@ -67,6 +65,17 @@ def server(tmp_path_factory):
     text = log.read_text()
     assert "Traceback" not in text, text
     assert proc.returncode == 0, text
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """``(base_url, model_id, log_path, process)`` of a running server; stopped at the end."""
+    root = tmp_path_factory.mktemp("openai")
+    src = synth.build_checkpoint(root / "qwen3_moe", "qwen3_moe", "tiny")
+    packed = convert(src, root / "qwen3_moe-packed", progress=False)
+    args = ["--model", str(packed), "--max-tokens", "8", "--max-tokens-limit", str(LIMIT)]
+    with serving(root, args) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

@@ -2,25 +2,19 @@
 package): without the key every endpoint answers 401; with it, requests are served; a request's
 ``model`` loads only what ``--allowed-models`` lists (or the served model)."""
 
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from moeflux_mlx.commands.common import UsageError
 from moeflux_mlx.commands.server import resolve_api_key
 from moeflux_mlx.demo_model import checkpoint_path
+from tests.test_openai_client import serving
 
 openai = pytest.importorskip("openai")
 
-REPO = Path(__file__).resolve().parents[1]
 KEY = "sk-test-0123456789abcdef"
 
 
@@ -32,31 +26,10 @@ def server(tmp_path_factory):
     (root / "key").write_text(KEY + "\n")
     alias = root / "alias"
     alias.symlink_to(checkpoint_path(), target_is_directory=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOEFLUX_", "HF_"))}
-    env.update(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", HF_HOME=str(root / "no-hf"))
-    log = root / "server.log"
-    command = [sys.executable, "-m", "moeflux_mlx.cli", "server", "--port", "0"]
-    command += ["--api-key-file", str(root / "key"), "--allowed-models", str(alias)]
-    command += ["--max-tokens", "4"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 90
-        while not (m := re.search(r"Serving (\S+) on (http://\S+/v1)", log.read_text())):
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
-        yield m[2], str(alias), log, proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
+    args = ["--api-key-file", str(root / "key"), "--allowed-models", str(alias)]
+    with serving(root, args + ["--max-tokens", "4"]) as (url, _, log, proc):
+        yield url, str(alias), log, proc
     text = log.read_text()
-    assert proc.returncode == 0 and "Traceback" not in text, text
     assert KEY not in text  # the key is never logged
 
 
