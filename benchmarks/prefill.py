@@ -49,7 +49,7 @@ from benchmarks.lib.cli import (  # noqa: E402
     replayed_routing,
 )
 from benchmarks.lib.trace_routing import load_trace, rewind_routing  # noqa: E402
-from moeflux_mlx.commands.common import UsageError  # noqa: E402
+from moeflux_mlx.commands.common import UsageError, positive_int  # noqa: E402
 from moeflux_mlx.errors import MoefluxError  # noqa: E402
 from moeflux_mlx.format.checkpoint import expert_layout  # noqa: E402
 from moeflux_mlx.io.bandwidth import drop_page_cache, expert_files  # noqa: E402
@@ -76,19 +76,40 @@ def warm_page_cache(files) -> None:
                 pass
 
 
-def first_token(model, prompt) -> tuple:
-    """(seconds until the first token is in hand, seconds until the device is idle, the token).
+def first_token(model, prompt, step: int) -> tuple:
+    """(seconds until the first token is in hand, seconds until the device is idle, the token,
+    the forward passes the prompt took).
 
-    ``generate_step`` queues the next token's step before it waits for the first token, so the
-    first time is the prefill as a caller sees it (the prompt, then its last position) and the
-    second adds that queued step, the first of the decode."""
+    ``generate_step`` prefills all but the prompt's last token ``step`` tokens a pass, then
+    passes the last one and queues the next token's step before it waits for the first token,
+    so the first time is the prefill as a caller sees it and the second adds that queued step,
+    the first of the decode."""
+    chunks = []  # generate_step reports 0, each prefill pass's end, then the whole prompt
     mx.synchronize()
     t0 = time.perf_counter()
-    tok, _ = next(generate_step(prompt, model, max_tokens=1))
+    tok, _ = next(
+        generate_step(
+            prompt,
+            model,
+            max_tokens=1,
+            prefill_step_size=step,
+            prompt_progress_callback=lambda done, total: chunks.append(done),
+        )
+    )
     tok = int(tok)
     t_token = time.perf_counter() - t0
     mx.synchronize()
-    return t_token, time.perf_counter() - t0, tok
+    passes = sum(1 for done in chunks if 0 < done < len(prompt)) + 1  # and the last position
+    return t_token, time.perf_counter() - t0, tok, passes
+
+
+def stock_name(steps) -> dict:
+    """{step: stock's configuration name}: stock runs once per step the moeflux configurations
+    take, so that each compares with stock at its own step (a step changes the arithmetic)."""
+    steps = sorted(set(steps))
+    if len(steps) == 1:
+        return {steps[0]: "stock mlx-lm"}
+    return {s: f"stock mlx-lm step={s}" for s in steps}
 
 
 class ReadLog:
@@ -178,8 +199,8 @@ def run(args) -> dict:
     files = expert_files(path)
     mx.random.seed(args.seed)
     prompt = mx.random.randint(0, 256, (args.prompt_tokens,)).astype(mx.uint32)
-    models = {"stock mlx-lm": mlx_lm.load(str(stock_path))[0]}
-    logs = {}
+    stock_model = mlx_lm.load(str(stock_path))[0]
+    models, steps, logs = {}, {}, {}
     for io in args.io:
         for frac in args.budgets:
             for whole, switches, threads, warm in _variants(args):
@@ -198,17 +219,30 @@ def run(args) -> dict:
                     args, m.moeflux.store.io_mode, frac, whole, switches, threads, warm
                 )
                 models[name] = m
+                steps[name] = args.prefill_step or m.moeflux.prefill_step_size
                 logs[name] = ReadLog(m.moeflux.store)
+    stocks = stock_name(steps.values())
+    stock_of = {name: stocks[step] for name, step in steps.items()}
+    for step, name in stocks.items():
+        models, steps[name] = {name: stock_model, **models}, step
     shifts = _round_shifts(args)
     if prepare is not None:
         for m in models.values():
             prepare(m)
     warm_page_cache(files)
-    for m in models.values():
+    for name, m in models.items():
         rewind_routing(m, shifts[0])
-        first_token(m, prompt)  # warm-up: kernels of these shapes, allocator
+        first_token(m, prompt, steps[name])  # warm-up: kernels of these shapes, allocator
     rows = {
-        k: {"s": [], "token_s": [], "tokens": [], "read_s": [], "bytes": [], "stats": []}
+        k: {
+            "s": [],
+            "token_s": [],
+            "tokens": [],
+            "passes": [],
+            "read_s": [],
+            "bytes": [],
+            "stats": [],
+        }
         for k in models
     }
     for shift in shifts[1:]:
@@ -220,11 +254,12 @@ def run(args) -> dict:
                 logs[name].calls.clear()
                 if args.cold:
                     drop_page_cache(files)
-            token_s, s, tok = first_token(m, prompt)
+            token_s, s, tok, passes = first_token(m, prompt, steps[name])
             r = rows[name]
             r["s"].append(s)
             r["token_s"].append(token_s)
             r["tokens"].append(tok)
+            r["passes"].append(passes)
             if rt is not None:
                 rt.stats_dict()  # counts what the miss server read for the steps after
                 t = rt.stats.total()
@@ -238,21 +273,30 @@ def run(args) -> dict:
                     }
                 )
                 r["read_s"].append(logs[name].replay_s(files, args.cold))
-    stock = rows.pop("stock mlx-lm")
-    out_rows = [
-        {
-            "config": "stock mlx-lm",
-            "seconds": statistics.median(stock["s"]),
-            "all_seconds": stock["s"],
-            "token_seconds": statistics.median(stock["token_s"]),
-            "all_token_seconds": stock["token_s"],
-        }
-    ]
+    out_rows, stock_raw = [], {name: rows.pop(name) for name in stocks.values()}
+    for step, name in stocks.items():
+        stock = stock_raw[name]
+        out_rows.append(
+            {
+                "config": name,
+                "prefill_step": step,
+                "passes": stock["passes"][-1],
+                "seconds": statistics.median(stock["s"]),
+                "all_seconds": stock["s"],
+                "token_seconds": statistics.median(stock["token_s"]),
+                "all_token_seconds": stock["token_s"],
+                "tokens": stock["tokens"],
+            }
+        )
     for name, r in rows.items():
+        stock = stock_raw[stock_of[name]]
         overhead = [m - s - rd for m, s, rd in zip(r["s"], stock["s"], r["read_s"])]
         out_rows.append(
             {
                 "config": name,
+                "stock": stock_of[name],
+                "prefill_step": steps[name],
+                "passes": r["passes"][-1],
                 "seconds": statistics.median(r["s"]),
                 "all_seconds": r["s"],
                 "ratio_to_stock": statistics.median(m / s for m, s in zip(r["s"], stock["s"])),
@@ -268,6 +312,7 @@ def run(args) -> dict:
                 "upload_s": statistics.median(x["upload_s"] for x in r["stats"]),
                 "sync_s": statistics.median(x["sync_s"] for x in r["stats"]),
                 "missed": statistics.median(x["missed"] for x in r["stats"]),
+                "tokens": r["tokens"],
                 "token_as_stock": r["tokens"] == stock["tokens"],
             }
         )
@@ -293,23 +338,23 @@ def run(args) -> dict:
 
 def format_table(result: dict) -> str:
     head = (
-        "| config | s to first token | x stock | s to idle | x stock | MB read | read s "
-        "| overhead beyond reads s | io s | upload s | sync s | missed | token = stock |"
+        "| config | step | passes | s to first token | x stock | s to idle | x stock | MB read "
+        "| read s | overhead beyond reads s | missed | token = stock |"
     )
-    lines = [head, "|" + " --- |" * 13]
+    lines = [head, "|" + " --- |" * 12]
     for r in result["rows"]:
+        start = f"| {r['config']} | {r['prefill_step']} | {r['passes']} "
         if "ratio_to_stock" not in r:
             lines.append(
-                f"| {r['config']} | {r['token_seconds']:.3f} | 1.00 | {r['seconds']:.3f} | 1.00 |"
-                + " - |" * 8
+                start + f"| {r['token_seconds']:.3f} | 1.00 | {r['seconds']:.3f} | 1.00 |"
+                " - | - | - | - | - |"
             )
             continue
         lines.append(
-            f"| {r['config']} | {r['token_seconds']:.3f} | {r['token_ratio_to_stock']:.2f} "
+            start + f"| {r['token_seconds']:.3f} | {r['token_ratio_to_stock']:.2f} "
             f"| {r['seconds']:.3f} | {r['ratio_to_stock']:.2f} "
             f"| {r['mb_read']:.0f} | {r['read_s']:.3f} | {r['overhead_beyond_reads_s']:+.2f} "
-            f"| {r['io_s']:.3f} | {r['upload_s']:.3f} | {r['sync_s']:.2f} "
-            f"| {r['missed']:.0f} | {'yes' if r['token_as_stock'] else 'NO'} |"
+            f"| {r['missed']:.0f} | {'yes' if r['token_as_stock'] else 'MISMATCH'} |"
         )
     return "\n".join(lines)
 
@@ -355,6 +400,13 @@ def main(argv=None) -> int:
     p.add_argument("--routing-trace", type=Path, default=None, metavar="TRACE")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--budgets", type=budget_list, default=[0.25])
+    p.add_argument(
+        "--prefill-step",
+        type=positive_int,
+        default=None,
+        help="prompt tokens per forward pass, stock's too (default: each moeflux model's own, "
+        "model.moeflux.prefill_step_size; stock runs at each such step)",
+    )
     p.add_argument("--io", type=io_list, default=["mmap"], help="mmap,pread (default: mmap)")
     p.add_argument(
         "--prefill-whole-layer",
@@ -401,7 +453,15 @@ def main(argv=None) -> int:
     machine = args.machine or machine_tag(result["machine"])
     for f in write(result, args.out, f"{datetime.date.today()}-{machine}-prefill"):
         print("wrote", f)
-    return 0
+    tokens = {r["config"]: r["tokens"] for r in result["rows"]}
+    mismatched = [r for r in result["rows"] if r.get("token_as_stock") is False]
+    for r in mismatched:
+        print(
+            f"MISMATCH: {r['config']}: first tokens {r['tokens']}, {r['stock']}'s "
+            f"{tokens[r['stock']]}",
+            file=sys.stderr,
+        )
+    return 1 if mismatched else 0
 
 
 if __name__ == "__main__":
