@@ -103,6 +103,99 @@ def first_token(model, prompt, step: int) -> tuple:
     return t_token, time.perf_counter() - t0, tok, passes
 
 
+# where a prefill's time goes, from each layer's counters (``moeflux_mlx.stats.LayerStats``):
+# (key, column) of the times, then of the counts
+TIMES = (
+    ("io_s", "read wait s"),
+    ("upload_s", "copy to device s"),
+    ("sync_s", "device waits s"),
+    ("compute_s", "python s"),
+)
+COUNTS = (("bytes_read", "MB read"), ("experts_read", "experts read"), ("calls", "calls"))
+
+
+def breakdown(rounds: list, walls: list) -> dict:
+    """Per layer and in total, the median over rounds of each counter of ``TIMES`` and
+    ``COUNTS``, and in total the wall time to idle and the rest of it (the wall time less the
+    counted times: attention and the rest of the model, the device's work nobody waited for in
+    a sync, the last logits); per round the counters are that round's (reset before it).
+
+    Args:
+        rounds: each round's ``model.moeflux.stats_dict()``.
+        walls: each round's seconds to idle.
+    """
+    keys = [k for k, _ in TIMES + COUNTS]
+    layers = sorted({int(i) for d in rounds for i in d["layers"]})
+
+    def of(d: dict, i: int) -> dict:
+        return d["layers"].get(i) or d["layers"].get(str(i)) or {}
+
+    per_layer = {
+        i: {k: statistics.median(of(d, i).get(k, 0) for d in rounds) for k in keys} for i in layers
+    }
+    total = {k: statistics.median(d["total"][k] for d in rounds) for k in keys}
+    total["wall_s"] = statistics.median(walls)
+    total["rest_s"] = statistics.median(
+        w - sum(d["total"][k] for k, _ in TIMES) for d, w in zip(rounds, walls)
+    )
+    return {"layers": per_layer, "total": total}
+
+
+def _cell(key: str, v: float) -> str:
+    if key == "bytes_read":
+        return f"{v / 1e6:.1f}"
+    return f"{v:.0f}" if key in dict(COUNTS) else f"{v:.3f}"
+
+
+BREAKDOWN_NOTE = (
+    "Each layer's counters over the prefill to idle (reset before it; the first decode step "
+    "included), medians over rounds: read wait (io_s: waiting for expert reads, what reading "
+    "ahead did not hide), copy to device (upload_s), device waits (sync_s: host syncs, the "
+    "device's computation queued before them included), python (compute_s: building the "
+    "expert computation), and the rest of the wall time to idle (attention and the rest of "
+    "the model, device work no sync waited for, the logits); MB and experts read, expert "
+    "calls."
+)
+
+
+def format_breakdown(result: dict) -> str:
+    """Each moeflux configuration's totals: the wall time to idle split by the counters."""
+    head = (
+        "| config | s to idle | "
+        + " | ".join(c for _, c in TIMES)
+        + " | rest s | "
+        + " | ".join(c for _, c in COUNTS)
+        + " |"
+    )
+    lines = [head, "|" + " --- |" * (3 + len(TIMES) + len(COUNTS))]
+    for r in result["rows"]:
+        if "breakdown" not in r:
+            continue
+        t = r["breakdown"]["total"]
+        wall = t["wall_s"] or 1e-9
+        times = [f"{t[k]:.3f} ({t[k] / wall:.0%})" for k, _ in TIMES + (("rest_s", ""),)]
+        counts = [_cell(k, t[k]) for k, _ in COUNTS]
+        lines.append(f"| {r['config']} | {t['wall_s']:.3f} | " + " | ".join(times + counts) + " |")
+    return "\n".join(lines)
+
+
+def format_layers(row: dict) -> str:
+    """One configuration's per-layer rows, then its totals (the rest is the whole prefill's)."""
+    head = "| layer | " + " | ".join(c for _, c in TIMES) + " | rest s | "
+    head += " | ".join(c for _, c in COUNTS) + " |"
+    lines = [head, "|" + " --- |" * (2 + len(TIMES) + len(COUNTS))]
+    b = row["breakdown"]
+    for i, lay in b["layers"].items():
+        cells = [_cell(k, lay[k]) for k, _ in TIMES] + ["-"]
+        cells += [_cell(k, lay[k]) for k, _ in COUNTS]
+        lines.append(f"| {i} | " + " | ".join(cells) + " |")
+    t = b["total"]
+    cells = [_cell(k, t[k]) for k, _ in TIMES] + [f"{t['rest_s']:.3f}"]
+    cells += [_cell(k, t[k]) for k, _ in COUNTS]
+    lines.append("| **total** | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def stock_name(steps) -> dict:
     """{step: stock's configuration name}: stock runs once per step the moeflux configurations
     take, so that each compares with stock at its own step (a step changes the arithmetic)."""
@@ -261,17 +354,9 @@ def run(args) -> dict:
             r["tokens"].append(tok)
             r["passes"].append(passes)
             if rt is not None:
-                rt.stats_dict()  # counts what the miss server read for the steps after
-                t = rt.stats.total()
-                r["bytes"].append(t.bytes_read)
-                r["stats"].append(
-                    {
-                        "io_s": t.io_s,
-                        "upload_s": t.upload_s,
-                        "sync_s": t.sync_s,
-                        "missed": t.experts_missed,
-                    }
-                )
+                d = rt.stats_dict()  # counts what the miss server read for the steps after
+                r["bytes"].append(d["total"]["bytes_read"])
+                r["stats"].append(d)
                 r["read_s"].append(logs[name].replay_s(files, args.cold))
     out_rows, stock_raw = [], {name: rows.pop(name) for name in stocks.values()}
     for step, name in stocks.items():
@@ -308,10 +393,8 @@ def run(args) -> dict:
                 "mb_read": statistics.median(r["bytes"]) / 1e6,
                 "read_s": statistics.median(r["read_s"]),
                 "overhead_beyond_reads_s": statistics.median(overhead),
-                "io_s": statistics.median(x["io_s"] for x in r["stats"]),
-                "upload_s": statistics.median(x["upload_s"] for x in r["stats"]),
-                "sync_s": statistics.median(x["sync_s"] for x in r["stats"]),
-                "missed": statistics.median(x["missed"] for x in r["stats"]),
+                "missed": statistics.median(x["total"]["experts_missed"] for x in r["stats"]),
+                "breakdown": breakdown(r["stats"], r["s"]),
                 "tokens": r["tokens"],
                 "token_as_stock": r["tokens"] == stock["tokens"],
             }
@@ -376,15 +459,27 @@ def write(result: dict, out: Path, stem: str) -> list:
                 "s to first token: until the token is in hand, the prefill as a caller sees "
                 "it; s to idle: until the device is idle, which adds the next token's step that "
                 "mlx-lm queues before it waits for the first (the first decode step). "
+                "step: prompt tokens per forward pass (stock runs at each configuration's); "
+                "passes: the prompt's forward passes, its last position's included. "
                 "read s: the same reads (both steps') through the store alone; overhead beyond "
-                "reads: moeflux - stock - read s, to idle (per round, median). sync s includes the device's "
-                "computation before each layer's router indices. missed: experts not resident "
-                "when a call asked (a whole-layer call counts every expert its rows routed; the "
-                "rest are the steps after the prompt). With a routing trace, each round "
-                "replays another window of it, every configuration the same.",
+                "reads: moeflux - stock - read s, to idle (per round, median). missed: experts "
+                "not resident when a call asked (a whole-layer call counts every expert its rows "
+                "routed; the rest are the steps after the prompt). With a routing trace, each "
+                "round replays another window of it, every configuration the same.",
                 "",
                 format_table(result),
                 "",
+                "## Where the time goes",
+                "",
+                BREAKDOWN_NOTE,
+                "",
+                format_breakdown(result),
+                "",
+            ]
+            + [
+                f"### {r['config']}\n\n{format_layers(r)}\n"
+                for r in result["rows"]
+                if "breakdown" in r
             ]
         )
     )
@@ -440,6 +535,11 @@ def main(argv=None) -> int:
     p.add_argument("--bench-backend", default=None, help="expert backend (default: auto)")
     p.add_argument("--cold", action="store_true", help="drop the page cache before each run")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--per-layer",
+        action="store_true",
+        help="print each configuration's per-layer breakdown (the markdown file has it always)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--machine", default=None, help="machine label for the results file name")
     p.add_argument("--out", type=Path, default=Path("moeflux-bench-results"))
@@ -450,6 +550,13 @@ def main(argv=None) -> int:
         print(f"prefill.py: error: {e}", file=sys.stderr)
         return 2
     print(format_table(result))
+    print()
+    print(format_breakdown(result))
+    if args.per_layer:
+        for r in result["rows"]:
+            if "breakdown" in r:
+                print(f"\n{r['config']}:\n{format_layers(r)}")
+    print()
     machine = args.machine or machine_tag(result["machine"])
     for f in write(result, args.out, f"{datetime.date.today()}-{machine}-prefill"):
         print("wrote", f)
