@@ -48,6 +48,7 @@ from benchmarks.lib.cli import (  # noqa: E402
     io_list,
     replayed_routing,
 )
+from benchmarks.lib.copy_rate import bound, copy_rate, disk_rate  # noqa: E402
 from benchmarks.lib.trace_routing import load_trace, rewind_routing  # noqa: E402
 from moeflux_mlx.commands.common import UsageError, positive_int  # noqa: E402
 from moeflux_mlx.errors import MoefluxError  # noqa: E402
@@ -145,6 +146,35 @@ def _cell(key: str, v: float) -> str:
     if key == "bytes_read":
         return f"{v / 1e6:.1f}"
     return f"{v:.0f}" if key in dict(COUNTS) else f"{v:.3f}"
+
+
+def format_bound(result: dict) -> str:
+    """Each moeflux configuration against moving its bytes alone (``lib.copy_rate.bound``)."""
+    head = (
+        "| config | MB moved | bound s | bound's rate | s to idle | share of bound "
+        "| GB/s reached | stock s to idle |"
+    )
+    lines = [head, "|" + " --- |" * 8]
+    for r in result["rows"]:
+        if "bound_s" not in r:
+            continue
+        gbs = r["bytes_moved"] / r["seconds"] / 1e9
+        lines.append(
+            f"| {r['config']} | {r['bytes_moved'] / 1e6:.1f} | {r['bound_s']:.4f} "
+            f"| {r['bound_rate']}, {r['bound_rate_bytes_s'] / 1e9:.2f} GB/s | {r['seconds']:.3f} "
+            f"| {100 * r['bound_share']:.3g}% | {gbs:.3g} | {r['stock_seconds']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+BOUND_NOTE = (
+    "bound s: the bytes the prefill moved (to idle) at the slower of the copy rate measured in "
+    "this run (a buffer of one layer's bytes: on CUDA the GPU copying out of host-mapped "
+    "memory, as a whole-layer read's staging is; on another GPU an mx.array made from numpy; on "
+    "the CPU a memcpy) and, for cold runs, the disk's cold read rate; bound's rate names which. "
+    "share of bound: bound s / s to idle (1: the prefill took only as long as moving its bytes); "
+    "stock, which moves none, beside it."
+)
 
 
 BREAKDOWN_NOTE = (
@@ -288,12 +318,13 @@ def _round_shifts(args) -> list:
 def run(args) -> dict:
     prepare = replayed_routing(args.routing_trace)
     path, stock_path = build_model(args)
-    total = expert_layout(path).total_expert_bytes
+    layout = expert_layout(path)
+    total = layout.total_expert_bytes
     files = expert_files(path)
     mx.random.seed(args.seed)
     prompt = mx.random.randint(0, 256, (args.prompt_tokens,)).astype(mx.uint32)
     stock_model = mlx_lm.load(str(stock_path))[0]
-    models, steps, logs = {}, {}, {}
+    models, steps, logs, ios = {}, {}, {}, {}
     for io in args.io:
         for frac in args.budgets:
             for whole, switches, threads, warm in _variants(args):
@@ -313,6 +344,7 @@ def run(args) -> dict:
                 )
                 models[name] = m
                 steps[name] = args.prefill_step or m.moeflux.prefill_step_size
+                ios[name] = io
                 logs[name] = ReadLog(m.moeflux.store)
     stocks = stock_name(steps.values())
     stock_of = {name: stocks[step] for name, step in steps.items()}
@@ -358,6 +390,11 @@ def run(args) -> dict:
                 r["bytes"].append(d["total"]["bytes_read"])
                 r["stats"].append(d)
                 r["read_s"].append(logs[name].replay_s(files, args.cold))
+    # the bound, measured here after the rounds: a layer's bytes copied as a prefill's reach
+    # the device, and the disk's cold rate where the runs were cold
+    layer_bytes = max(lay.layer_bytes for lay in layout.layers.values())
+    copy = copy_rate(layer_bytes)
+    disks = {io: disk_rate(path, io, args.threads[0]) for io in args.io} if args.cold else {}
     out_rows, stock_raw = [], {name: rows.pop(name) for name in stocks.values()}
     for step, name in stocks.items():
         stock = stock_raw[name]
@@ -376,6 +413,9 @@ def run(args) -> dict:
     for name, r in rows.items():
         stock = stock_raw[stock_of[name]]
         overhead = [m - s - rd for m, s, rd in zip(r["s"], stock["s"], r["read_s"])]
+        moved = statistics.median(r["bytes"])
+        bound_s, rate, rate_name = bound(moved, copy, disks.get(ios[name]))
+        seconds = statistics.median(r["s"])
         out_rows.append(
             {
                 "config": name,
@@ -395,6 +435,12 @@ def run(args) -> dict:
                 "overhead_beyond_reads_s": statistics.median(overhead),
                 "missed": statistics.median(x["total"]["experts_missed"] for x in r["stats"]),
                 "breakdown": breakdown(r["stats"], r["s"]),
+                "bytes_moved": moved,
+                "bound_s": bound_s,
+                "bound_rate_bytes_s": rate,
+                "bound_rate": rate_name,
+                "bound_share": bound_s / seconds,
+                "stock_seconds": statistics.median(stock["s"]),
                 "tokens": r["tokens"],
                 "token_as_stock": r["tokens"] == stock["tokens"],
             }
@@ -415,6 +461,8 @@ def run(args) -> dict:
         "cold": args.cold,
         "repeats": args.repeats,
         "routing_trace": str(args.routing_trace) if args.routing_trace else None,
+        "copy_rate": {"bytes_s": copy[0], "what": copy[1], "buffer_bytes": layer_bytes},
+        "disk_rates_cold": disks,
         "rows": out_rows,
     }
 
@@ -468,6 +516,12 @@ def write(result: dict, out: Path, stem: str) -> list:
                 "round replays another window of it, every configuration the same.",
                 "",
                 format_table(result),
+                "",
+                "## Against moving the bytes alone",
+                "",
+                BOUND_NOTE,
+                "",
+                format_bound(result),
                 "",
                 "## Where the time goes",
                 "",
@@ -550,6 +604,8 @@ def main(argv=None) -> int:
         print(f"prefill.py: error: {e}", file=sys.stderr)
         return 2
     print(format_table(result))
+    print()
+    print(format_bound(result))
     print()
     print(format_breakdown(result))
     if args.per_layer:
