@@ -12,7 +12,13 @@ evaluation, as ``mlx_lm.generate_step`` does it, until the token is in hand) and
 (adding the next token's step, which ``generate_step`` queues first), each with its ratio to stock;
 the bytes read, the pure read time of those very reads (replayed through the store alone, same I/O
 mode and page-cache state, right after the prefill), and the overhead beyond the reads: moeflux -
-stock - read time. ``--prefill-whole-layer 4,0`` runs the machine setting's values side by side
+stock - read time; the step (each model's own prefill step, or ``--prefill-step``; stock runs
+at the same step) and the passes the prompt took. Against the bound: the bytes moved at the
+slower of a copy rate measured in the same run (``lib.copy_rate``) and, cold, the disk's, the
+share of that bound reached, stock beside it. Where the time goes: the wall time to idle split
+by each layer's counters (read wait, copy to the device, device waits, Python) and the rest;
+per layer in the markdown file, and printed with ``--per-layer``. A first token unlike stock's
+is MISMATCH, exit 1. ``--prefill-whole-layer 4,0`` runs the machine setting's values side by side
 (``Tuning.prefill_whole_layer``; 0: one host sync per layer and call, the path before whole-layer
 reads, which always read the next layer ahead); ``--threads 8,16`` with that many read threads;
 ``--warm-read-threads 4,0`` with small reads from the page cache on 4 threads or on all (both
