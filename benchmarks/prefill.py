@@ -166,7 +166,7 @@ def format_bound(result: dict) -> str:
             continue
         gbs = r["bytes_moved"] / r["seconds"] / 1e9
         lines.append(
-            f"| {r['config']} | {r['bytes_moved'] / 1e6:.1f} | {r['bound_s']:.4f} "
+            f"| {r['config']} | {r['bytes_moved'] / 1e6:.1f} | {r['bound_s']:.4g} "
             f"| {r['bound_rate']}, {r['bound_rate_bytes_s'] / 1e9:.2f} GB/s | {r['seconds']:.3f} "
             f"| {100 * r['bound_share']:.3g}% | {gbs:.3g} | {r['stock_seconds']:.3f} |"
         )
