@@ -12,7 +12,13 @@ evaluation, as ``mlx_lm.generate_step`` does it, until the token is in hand) and
 (adding the next token's step, which ``generate_step`` queues first), each with its ratio to stock;
 the bytes read, the pure read time of those very reads (replayed through the store alone, same I/O
 mode and page-cache state, right after the prefill), and the overhead beyond the reads: moeflux -
-stock - read time. ``--prefill-whole-layer 4,0`` runs the machine setting's values side by side
+stock - read time; the step (each model's own prefill step, or ``--prefill-step``; stock runs
+at the same step) and the passes the prompt took. Against the bound: the bytes moved at the
+slower of a copy rate measured in the same run (``lib.copy_rate``) and, cold, the disk's, the
+share of that bound reached, stock beside it. Where the time goes: the wall time to idle split
+by each layer's counters (read wait, copy to the device, device waits, Python) and the rest;
+per layer in the markdown file, and printed with ``--per-layer``. A first token unlike stock's
+is MISMATCH, exit 1. ``--prefill-whole-layer 4,0`` runs the machine setting's values side by side
 (``Tuning.prefill_whole_layer``; 0: one host sync per layer and call, the path before whole-layer
 reads, which always read the next layer ahead); ``--threads 8,16`` with that many read threads;
 ``--warm-read-threads 4,0`` with small reads from the page cache on 4 threads or on all (both
@@ -48,8 +54,9 @@ from benchmarks.lib.cli import (  # noqa: E402
     io_list,
     replayed_routing,
 )
+from benchmarks.lib.copy_rate import bound, copy_rate, disk_rate  # noqa: E402
 from benchmarks.lib.trace_routing import load_trace, rewind_routing  # noqa: E402
-from moeflux_mlx.commands.common import UsageError  # noqa: E402
+from moeflux_mlx.commands.common import UsageError, positive_int  # noqa: E402
 from moeflux_mlx.errors import MoefluxError  # noqa: E402
 from moeflux_mlx.format.checkpoint import expert_layout  # noqa: E402
 from moeflux_mlx.io.bandwidth import drop_page_cache, expert_files  # noqa: E402
@@ -76,19 +83,162 @@ def warm_page_cache(files) -> None:
                 pass
 
 
-def first_token(model, prompt) -> tuple:
-    """(seconds until the first token is in hand, seconds until the device is idle, the token).
+def first_token(model, prompt, step: int) -> tuple:
+    """(seconds until the first token is in hand, seconds until the device is idle, the token,
+    the forward passes the prompt took).
 
-    ``generate_step`` queues the next token's step before it waits for the first token, so the
-    first time is the prefill as a caller sees it (the prompt, then its last position) and the
-    second adds that queued step, the first of the decode."""
+    ``generate_step`` prefills all but the prompt's last token ``step`` tokens a pass, then
+    passes the last one and queues the next token's step before it waits for the first token,
+    so the first time is the prefill as a caller sees it and the second adds that queued step,
+    the first of the decode."""
+    chunks = []  # generate_step reports 0, each prefill pass's end, then the whole prompt
     mx.synchronize()
     t0 = time.perf_counter()
-    tok, _ = next(generate_step(prompt, model, max_tokens=1))
+    tok, _ = next(
+        generate_step(
+            prompt,
+            model,
+            max_tokens=1,
+            prefill_step_size=step,
+            prompt_progress_callback=lambda done, total: chunks.append(done),
+        )
+    )
     tok = int(tok)
     t_token = time.perf_counter() - t0
     mx.synchronize()
-    return t_token, time.perf_counter() - t0, tok
+    passes = sum(1 for done in chunks if 0 < done < len(prompt)) + 1  # and the last position
+    return t_token, time.perf_counter() - t0, tok, passes
+
+
+# where a prefill's time goes, from each layer's counters (``moeflux_mlx.stats.LayerStats``):
+# (key, column) of the times, then of the counts
+TIMES = (
+    ("io_s", "read wait s"),
+    ("upload_s", "copy to device s"),
+    ("sync_s", "device waits s"),
+    ("compute_s", "python s"),
+)
+COUNTS = (("bytes_read", "MB read"), ("experts_read", "experts read"), ("calls", "calls"))
+
+
+def breakdown(rounds: list, walls: list) -> dict:
+    """Per layer and in total, the median over rounds of each counter of ``TIMES`` and
+    ``COUNTS``, and in total the wall time to idle and the rest of it (the wall time less the
+    counted times: attention and the rest of the model, the device's work nobody waited for in
+    a sync, the last logits); per round the counters are that round's (reset before it).
+
+    Args:
+        rounds: each round's ``model.moeflux.stats_dict()``.
+        walls: each round's seconds to idle.
+    """
+    keys = [k for k, _ in TIMES + COUNTS]
+    layers = sorted({int(i) for d in rounds for i in d["layers"]})
+
+    def of(d: dict, i: int) -> dict:
+        return d["layers"].get(i) or d["layers"].get(str(i)) or {}
+
+    per_layer = {
+        i: {k: statistics.median(of(d, i).get(k, 0) for d in rounds) for k in keys} for i in layers
+    }
+    total = {k: statistics.median(d["total"][k] for d in rounds) for k in keys}
+    total["wall_s"] = statistics.median(walls)
+    total["rest_s"] = statistics.median(
+        w - sum(d["total"][k] for k, _ in TIMES) for d, w in zip(rounds, walls)
+    )
+    return {"layers": per_layer, "total": total}
+
+
+def _cell(key: str, v: float) -> str:
+    if key == "bytes_read":
+        return f"{v / 1e6:.1f}"
+    return f"{v:.0f}" if key in dict(COUNTS) else f"{v:.3f}"
+
+
+def format_bound(result: dict) -> str:
+    """Each moeflux configuration against moving its bytes alone (``lib.copy_rate.bound``)."""
+    head = (
+        "| config | MB moved | bound s | bound's rate | s to idle | share of bound "
+        "| GB/s reached | stock s to idle |"
+    )
+    lines = [head, "|" + " --- |" * 8]
+    for r in result["rows"]:
+        if "bound_s" not in r:
+            continue
+        gbs = r["bytes_moved"] / r["seconds"] / 1e9
+        lines.append(
+            f"| {r['config']} | {r['bytes_moved'] / 1e6:.1f} | {r['bound_s']:.4g} "
+            f"| {r['bound_rate']}, {r['bound_rate_bytes_s'] / 1e9:.2f} GB/s | {r['seconds']:.3f} "
+            f"| {100 * r['bound_share']:.3g}% | {gbs:.3g} | {r['stock_seconds']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+BOUND_NOTE = (
+    "bound s: the bytes the prefill moved (to idle) at the slower of the copy rate measured in "
+    "this run (a buffer of one layer's bytes: on CUDA the GPU copying out of host-mapped "
+    "memory, as a whole-layer read's staging is; on another GPU an mx.array made from numpy; on "
+    "the CPU a memcpy) and, for cold runs, the disk's cold read rate; bound's rate names which. "
+    "share of bound: bound s / s to idle (1: the prefill took only as long as moving its bytes); "
+    "stock, which moves none, beside it."
+)
+
+
+BREAKDOWN_NOTE = (
+    "Each layer's counters over the prefill to idle (reset before it; the first decode step "
+    "included), medians over rounds: read wait (io_s: waiting for expert reads, what reading "
+    "ahead did not hide), copy to device (upload_s), device waits (sync_s: host syncs, the "
+    "device's computation queued before them included), python (compute_s: building the "
+    "expert computation), and the rest of the wall time to idle (attention and the rest of "
+    "the model, device work no sync waited for, the logits); MB and experts read, expert "
+    "calls."
+)
+
+
+def format_breakdown(result: dict) -> str:
+    """Each moeflux configuration's totals: the wall time to idle split by the counters."""
+    head = (
+        "| config | s to idle | "
+        + " | ".join(c for _, c in TIMES)
+        + " | rest s | "
+        + " | ".join(c for _, c in COUNTS)
+        + " |"
+    )
+    lines = [head, "|" + " --- |" * (3 + len(TIMES) + len(COUNTS))]
+    for r in result["rows"]:
+        if "breakdown" not in r:
+            continue
+        t = r["breakdown"]["total"]
+        wall = t["wall_s"] or 1e-9
+        times = [f"{t[k]:.3f} ({t[k] / wall:.0%})" for k, _ in TIMES + (("rest_s", ""),)]
+        counts = [_cell(k, t[k]) for k, _ in COUNTS]
+        lines.append(f"| {r['config']} | {t['wall_s']:.3f} | " + " | ".join(times + counts) + " |")
+    return "\n".join(lines)
+
+
+def format_layers(row: dict) -> str:
+    """One configuration's per-layer rows, then its totals (the rest is the whole prefill's)."""
+    head = "| layer | " + " | ".join(c for _, c in TIMES) + " | rest s | "
+    head += " | ".join(c for _, c in COUNTS) + " |"
+    lines = [head, "|" + " --- |" * (2 + len(TIMES) + len(COUNTS))]
+    b = row["breakdown"]
+    for i, lay in b["layers"].items():
+        cells = [_cell(k, lay[k]) for k, _ in TIMES] + ["-"]
+        cells += [_cell(k, lay[k]) for k, _ in COUNTS]
+        lines.append(f"| {i} | " + " | ".join(cells) + " |")
+    t = b["total"]
+    cells = [_cell(k, t[k]) for k, _ in TIMES] + [f"{t['rest_s']:.3f}"]
+    cells += [_cell(k, t[k]) for k, _ in COUNTS]
+    lines.append("| **total** | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def stock_name(steps) -> dict:
+    """{step: stock's configuration name}: stock runs once per step the moeflux configurations
+    take, so that each compares with stock at its own step (a step changes the arithmetic)."""
+    steps = sorted(set(steps))
+    if len(steps) == 1:
+        return {steps[0]: "stock mlx-lm"}
+    return {s: f"stock mlx-lm step={s}" for s in steps}
 
 
 class ReadLog:
@@ -174,12 +324,13 @@ def _round_shifts(args) -> list:
 def run(args) -> dict:
     prepare = replayed_routing(args.routing_trace)
     path, stock_path = build_model(args)
-    total = expert_layout(path).total_expert_bytes
+    layout = expert_layout(path)
+    total = layout.total_expert_bytes
     files = expert_files(path)
     mx.random.seed(args.seed)
     prompt = mx.random.randint(0, 256, (args.prompt_tokens,)).astype(mx.uint32)
-    models = {"stock mlx-lm": mlx_lm.load(str(stock_path))[0]}
-    logs = {}
+    stock_model = mlx_lm.load(str(stock_path))[0]
+    models, steps, logs, ios = {}, {}, {}, {}
     for io in args.io:
         for frac in args.budgets:
             for whole, switches, threads, warm in _variants(args):
@@ -198,17 +349,31 @@ def run(args) -> dict:
                     args, m.moeflux.store.io_mode, frac, whole, switches, threads, warm
                 )
                 models[name] = m
+                steps[name] = args.prefill_step or m.moeflux.prefill_step_size
+                ios[name] = io
                 logs[name] = ReadLog(m.moeflux.store)
+    stocks = stock_name(steps.values())
+    stock_of = {name: stocks[step] for name, step in steps.items()}
+    for step, name in stocks.items():
+        models, steps[name] = {name: stock_model, **models}, step
     shifts = _round_shifts(args)
     if prepare is not None:
         for m in models.values():
             prepare(m)
     warm_page_cache(files)
-    for m in models.values():
+    for name, m in models.items():
         rewind_routing(m, shifts[0])
-        first_token(m, prompt)  # warm-up: kernels of these shapes, allocator
+        first_token(m, prompt, steps[name])  # warm-up: kernels of these shapes, allocator
     rows = {
-        k: {"s": [], "token_s": [], "tokens": [], "read_s": [], "bytes": [], "stats": []}
+        k: {
+            "s": [],
+            "token_s": [],
+            "tokens": [],
+            "passes": [],
+            "read_s": [],
+            "bytes": [],
+            "stats": [],
+        }
         for k in models
     }
     for shift in shifts[1:]:
@@ -220,39 +385,49 @@ def run(args) -> dict:
                 logs[name].calls.clear()
                 if args.cold:
                     drop_page_cache(files)
-            token_s, s, tok = first_token(m, prompt)
+            token_s, s, tok, passes = first_token(m, prompt, steps[name])
             r = rows[name]
             r["s"].append(s)
             r["token_s"].append(token_s)
             r["tokens"].append(tok)
+            r["passes"].append(passes)
             if rt is not None:
-                rt.stats_dict()  # counts what the miss server read for the steps after
-                t = rt.stats.total()
-                r["bytes"].append(t.bytes_read)
-                r["stats"].append(
-                    {
-                        "io_s": t.io_s,
-                        "upload_s": t.upload_s,
-                        "sync_s": t.sync_s,
-                        "missed": t.experts_missed,
-                    }
-                )
+                d = rt.stats_dict()  # counts what the miss server read for the steps after
+                r["bytes"].append(d["total"]["bytes_read"])
+                r["stats"].append(d)
                 r["read_s"].append(logs[name].replay_s(files, args.cold))
-    stock = rows.pop("stock mlx-lm")
-    out_rows = [
-        {
-            "config": "stock mlx-lm",
-            "seconds": statistics.median(stock["s"]),
-            "all_seconds": stock["s"],
-            "token_seconds": statistics.median(stock["token_s"]),
-            "all_token_seconds": stock["token_s"],
-        }
-    ]
-    for name, r in rows.items():
-        overhead = [m - s - rd for m, s, rd in zip(r["s"], stock["s"], r["read_s"])]
+    # the bound, measured here after the rounds: a layer's bytes copied as a prefill's reach
+    # the device, and the disk's cold rate where the runs were cold
+    layer_bytes = max(lay.layer_bytes for lay in layout.layers.values())
+    copy = copy_rate(layer_bytes)
+    disks = {io: disk_rate(path, io, args.threads[0]) for io in args.io} if args.cold else {}
+    out_rows, stock_raw = [], {name: rows.pop(name) for name in stocks.values()}
+    for step, name in stocks.items():
+        stock = stock_raw[name]
         out_rows.append(
             {
                 "config": name,
+                "prefill_step": step,
+                "passes": stock["passes"][-1],
+                "seconds": statistics.median(stock["s"]),
+                "all_seconds": stock["s"],
+                "token_seconds": statistics.median(stock["token_s"]),
+                "all_token_seconds": stock["token_s"],
+                "tokens": stock["tokens"],
+            }
+        )
+    for name, r in rows.items():
+        stock = stock_raw[stock_of[name]]
+        overhead = [m - s - rd for m, s, rd in zip(r["s"], stock["s"], r["read_s"])]
+        moved = statistics.median(r["bytes"])
+        bound_s, rate, rate_name = bound(moved, copy, disks.get(ios[name]))
+        seconds = statistics.median(r["s"])
+        out_rows.append(
+            {
+                "config": name,
+                "stock": stock_of[name],
+                "prefill_step": steps[name],
+                "passes": r["passes"][-1],
                 "seconds": statistics.median(r["s"]),
                 "all_seconds": r["s"],
                 "ratio_to_stock": statistics.median(m / s for m, s in zip(r["s"], stock["s"])),
@@ -264,10 +439,15 @@ def run(args) -> dict:
                 "mb_read": statistics.median(r["bytes"]) / 1e6,
                 "read_s": statistics.median(r["read_s"]),
                 "overhead_beyond_reads_s": statistics.median(overhead),
-                "io_s": statistics.median(x["io_s"] for x in r["stats"]),
-                "upload_s": statistics.median(x["upload_s"] for x in r["stats"]),
-                "sync_s": statistics.median(x["sync_s"] for x in r["stats"]),
-                "missed": statistics.median(x["missed"] for x in r["stats"]),
+                "missed": statistics.median(x["total"]["experts_missed"] for x in r["stats"]),
+                "breakdown": breakdown(r["stats"], r["s"]),
+                "bytes_moved": moved,
+                "bound_s": bound_s,
+                "bound_rate_bytes_s": rate,
+                "bound_rate": rate_name,
+                "bound_share": bound_s / seconds,
+                "stock_seconds": statistics.median(stock["s"]),
+                "tokens": r["tokens"],
                 "token_as_stock": r["tokens"] == stock["tokens"],
             }
         )
@@ -287,29 +467,31 @@ def run(args) -> dict:
         "cold": args.cold,
         "repeats": args.repeats,
         "routing_trace": str(args.routing_trace) if args.routing_trace else None,
+        "copy_rate": {"bytes_s": copy[0], "what": copy[1], "buffer_bytes": layer_bytes},
+        "disk_rates_cold": disks,
         "rows": out_rows,
     }
 
 
 def format_table(result: dict) -> str:
     head = (
-        "| config | s to first token | x stock | s to idle | x stock | MB read | read s "
-        "| overhead beyond reads s | io s | upload s | sync s | missed | token = stock |"
+        "| config | step | passes | s to first token | x stock | s to idle | x stock | MB read "
+        "| read s | overhead beyond reads s | missed | token = stock |"
     )
-    lines = [head, "|" + " --- |" * 13]
+    lines = [head, "|" + " --- |" * 12]
     for r in result["rows"]:
+        start = f"| {r['config']} | {r['prefill_step']} | {r['passes']} "
         if "ratio_to_stock" not in r:
             lines.append(
-                f"| {r['config']} | {r['token_seconds']:.3f} | 1.00 | {r['seconds']:.3f} | 1.00 |"
-                + " - |" * 8
+                start + f"| {r['token_seconds']:.3f} | 1.00 | {r['seconds']:.3f} | 1.00 |"
+                " - | - | - | - | - |"
             )
             continue
         lines.append(
-            f"| {r['config']} | {r['token_seconds']:.3f} | {r['token_ratio_to_stock']:.2f} "
+            start + f"| {r['token_seconds']:.3f} | {r['token_ratio_to_stock']:.2f} "
             f"| {r['seconds']:.3f} | {r['ratio_to_stock']:.2f} "
             f"| {r['mb_read']:.0f} | {r['read_s']:.3f} | {r['overhead_beyond_reads_s']:+.2f} "
-            f"| {r['io_s']:.3f} | {r['upload_s']:.3f} | {r['sync_s']:.2f} "
-            f"| {r['missed']:.0f} | {'yes' if r['token_as_stock'] else 'NO'} |"
+            f"| {r['missed']:.0f} | {'yes' if r['token_as_stock'] else 'MISMATCH'} |"
         )
     return "\n".join(lines)
 
@@ -331,15 +513,33 @@ def write(result: dict, out: Path, stem: str) -> list:
                 "s to first token: until the token is in hand, the prefill as a caller sees "
                 "it; s to idle: until the device is idle, which adds the next token's step that "
                 "mlx-lm queues before it waits for the first (the first decode step). "
+                "step: prompt tokens per forward pass (stock runs at each configuration's); "
+                "passes: the prompt's forward passes, its last position's included. "
                 "read s: the same reads (both steps') through the store alone; overhead beyond "
-                "reads: moeflux - stock - read s, to idle (per round, median). sync s includes the device's "
-                "computation before each layer's router indices. missed: experts not resident "
-                "when a call asked (a whole-layer call counts every expert its rows routed; the "
-                "rest are the steps after the prompt). With a routing trace, each round "
-                "replays another window of it, every configuration the same.",
+                "reads: moeflux - stock - read s, to idle (per round, median). missed: experts "
+                "not resident when a call asked (a whole-layer call counts every expert its rows "
+                "routed; the rest are the steps after the prompt). With a routing trace, each "
+                "round replays another window of it, every configuration the same.",
                 "",
                 format_table(result),
                 "",
+                "## Against moving the bytes alone",
+                "",
+                BOUND_NOTE,
+                "",
+                format_bound(result),
+                "",
+                "## Where the time goes",
+                "",
+                BREAKDOWN_NOTE,
+                "",
+                format_breakdown(result),
+                "",
+            ]
+            + [
+                f"### {r['config']}\n\n{format_layers(r)}\n"
+                for r in result["rows"]
+                if "breakdown" in r
             ]
         )
     )
@@ -355,6 +555,13 @@ def main(argv=None) -> int:
     p.add_argument("--routing-trace", type=Path, default=None, metavar="TRACE")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--budgets", type=budget_list, default=[0.25])
+    p.add_argument(
+        "--prefill-step",
+        type=positive_int,
+        default=None,
+        help="prompt tokens per forward pass, stock's too (default: each moeflux model's own, "
+        "model.moeflux.prefill_step_size; stock runs at each such step)",
+    )
     p.add_argument("--io", type=io_list, default=["mmap"], help="mmap,pread (default: mmap)")
     p.add_argument(
         "--prefill-whole-layer",
@@ -388,6 +595,11 @@ def main(argv=None) -> int:
     p.add_argument("--bench-backend", default=None, help="expert backend (default: auto)")
     p.add_argument("--cold", action="store_true", help="drop the page cache before each run")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--per-layer",
+        action="store_true",
+        help="print each configuration's per-layer breakdown (the markdown file has it always)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--machine", default=None, help="machine label for the results file name")
     p.add_argument("--out", type=Path, default=Path("moeflux-bench-results"))
@@ -398,10 +610,27 @@ def main(argv=None) -> int:
         print(f"prefill.py: error: {e}", file=sys.stderr)
         return 2
     print(format_table(result))
+    print()
+    print(format_bound(result))
+    print()
+    print(format_breakdown(result))
+    if args.per_layer:
+        for r in result["rows"]:
+            if "breakdown" in r:
+                print(f"\n{r['config']}:\n{format_layers(r)}")
+    print()
     machine = args.machine or machine_tag(result["machine"])
     for f in write(result, args.out, f"{datetime.date.today()}-{machine}-prefill"):
         print("wrote", f)
-    return 0
+    tokens = {r["config"]: r["tokens"] for r in result["rows"]}
+    mismatched = [r for r in result["rows"] if r.get("token_as_stock") is False]
+    for r in mismatched:
+        print(
+            f"MISMATCH: {r['config']}: first tokens {r['tokens']}, {r['stock']}'s "
+            f"{tokens[r['stock']]}",
+            file=sys.stderr,
+        )
+    return 1 if mismatched else 0
 
 
 if __name__ == "__main__":

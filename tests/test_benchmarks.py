@@ -465,3 +465,72 @@ def test_lookup_picks_the_slot_lookups_of_partial_budgets(
         lookup=lookup,
     )
     assert seen == [(0.25, table) for table in expected]
+
+
+def _prefill_args(src, out, *more):
+    """A tiny prefill run's command line: a 24-token prompt, whole layers read, one round."""
+    args = ["--prompt-tokens", "24", "--prefill-whole-layer", "4", "--repeats", "1"]
+    return [str(src), *args, "--out", str(out), *more]
+
+
+def test_prefill_benchmark_says_where_the_time_goes_against_the_bound(
+    tiny_checkpoints, tmp_path, capsys
+):
+    """A tiny prefill on the CPU: the step and passes the prompt took (stock at the same step),
+    the first token as stock's, the bytes against a bound measured in the run (a share in
+    (0, inf), the rate named), and the wall time split by the layers' counters, per layer and
+    in total, printed and in the markdown file."""
+    pf = _benchmark_script("prefill")
+    src, _ = tiny_checkpoints["qwen3_moe"]
+    out = tmp_path / "out"
+    assert pf.main(_prefill_args(src, out, "--prefill-step", "8", "--per-layer")) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(next(out.glob("*.json")).read_text())
+    stock, mf = result["rows"]
+    assert stock["config"] == "stock mlx-lm" and mf["stock"] == "stock mlx-lm"
+    # 23 tokens 8 a pass, then the last position
+    assert stock["prefill_step"] == mf["prefill_step"] == 8 and mf["passes"] == stock["passes"] == 4
+    assert mf["token_as_stock"] and mf["tokens"] == stock["tokens"]
+    assert mf["bytes_moved"] > 0 and 0 < mf["bound_share"] < float("inf")
+    assert mf["bound_rate"] == "memcpy" and mf["bound_rate_bytes_s"] > 0
+    assert mf["stock_seconds"] == stock["seconds"]
+    b = mf["breakdown"]
+    assert {"io_s", "upload_s", "sync_s", "compute_s", "bytes_read"} <= set(b["total"])
+    assert len(b["layers"]) == 2 and b["total"]["wall_s"] == mf["seconds"]
+    counted = sum(b["total"][k] for k in ("io_s", "upload_s", "sync_s", "compute_s"))
+    assert b["total"]["rest_s"] == pytest.approx(mf["seconds"] - counted)
+    assert sum(lay["bytes_read"] for lay in b["layers"].values()) == b["total"]["bytes_read"]
+    md = next(out.glob("*.md")).read_text()
+    for text in (printed, md):
+        for column in ("read wait s", "copy to device s", "device waits s", "python s", "rest s"):
+            assert column in text
+        assert "share of bound" in text and "memcpy" in text and "| **total** |" in text
+    assert "MISMATCH" not in printed
+
+
+def test_prefill_benchmark_exits_1_on_a_first_token_unlike_stock(
+    tiny_checkpoints, tmp_path, monkeypatch, capsys
+):
+    """A first token unlike stock's is MISMATCH in the table and on stderr, and exit 1."""
+    pf = _benchmark_script("prefill")
+    src, _ = tiny_checkpoints["qwen3_moe"]
+    real = pf.first_token
+
+    def off_by_one(model, prompt, step):
+        t, s, tok, passes = real(model, prompt, step)
+        return t, s, tok + hasattr(model, "moeflux"), passes
+
+    monkeypatch.setattr(pf, "first_token", off_by_one)
+    assert pf.main(_prefill_args(src, tmp_path, "--prefill-step", "32")) == 1
+    captured = capsys.readouterr()
+    assert "MISMATCH: moeflux" in captured.err and "| MISMATCH |" in captured.out
+
+
+def test_prefill_bound_takes_the_slower_rate_and_names_it():
+    from benchmarks.lib import copy_rate
+
+    assert copy_rate.bound(2e9, (4e9, "memcpy"), None) == (0.5, 4e9, "memcpy")
+    assert copy_rate.bound(2e9, (4e9, "memcpy"), 1e9) == (2.0, 1e9, "disk, cold reads")
+    assert copy_rate.bound(2e9, (4e9, "memcpy"), 8e9)[2] == "memcpy"
+    rate, what = copy_rate.copy_rate(1 << 20, rounds=1)
+    assert rate > 0 and what == "memcpy"  # the CPU backend (tests run there)
