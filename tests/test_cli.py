@@ -74,8 +74,11 @@ def test_compare_fails_on_different_experts(ckpts, packed, tmp_path, capsys):
     other_packed = convert(other, tmp_path / "seed1-packed", progress=False)
     tampered = tmp_path / "tampered"
     shutil.copytree(packed, tampered)
+    # the other experts with their layout.json (its recorded checksums), so that they are read
+    # as a sound conversion, only of other weights
     for f in (other_packed / PACKED_DIR).glob("layer_*.bin"):
         shutil.copy(f, tampered / PACKED_DIR / f.name)
+    shutil.copy(other_packed / PACKED_DIR / "layout.json", tampered / PACKED_DIR / "layout.json")
 
     rc = cli.main(["compare", str(ckpts["qwen3_moe"]), "--converted", str(tampered), "-m", "8"])
     out = capsys.readouterr().out
