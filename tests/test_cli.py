@@ -89,6 +89,18 @@ def test_compare_fails_on_different_experts(ckpts, packed, tmp_path, capsys):
     assert rc == 0
 
 
+def test_compare_says_each_prompt_as_it_starts(ckpts, capsys):
+    """A status line per prompt and side on stderr: a slow model is not silent for minutes."""
+    rc = cli.main(["compare", str(ckpts["qwen3_moe"]), "-p", "one", "-p", "two", "-m", "3"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    for side in ("stock mlx-lm", "moeflux-mlx"):
+        for i in (1, 2):
+            assert re.search(
+                rf"^{side}: prompt {i}/2 \(\d+ tokens, up to 3 more\) \.\.\.$", err, re.M
+            ), err
+
+
 def test_compare_tolerances_apply(ckpts, capsys):
     rows = [compare.Row("p", 4, 4, None, 0.05, 0.01, 1.0, 1.0)]
     report = compare.Report(Path("m"), Path("m"), rows, True, None, compare.GPU_KL_TOL, "gpu")
