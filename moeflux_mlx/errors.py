@@ -8,6 +8,7 @@
     │   ├── UnsupportedQuantizationError      quantization mode / bits / group size
     │   └── LayoutError                       layout.json corrupt / other version / not the files'
     ├── ExpertFileError (OSError)           a weight file is missing, unreadable, truncated, wrong size
+    │   └── ExpertChecksumError               an expert's bytes are not those convert wrote
     ├── ExpertReadError (OSError)           a read failed during generation (EIO, short read, truncated)
     ├── ExpertIndexError (IndexError)       the router asked for an expert the layer does not have
     ├── ModelClosedError (RuntimeError)     the model was closed
@@ -41,7 +42,15 @@ class LayoutError(CheckpointError):
 
 class ExpertFileError(MoefluxError, OSError):
     """A weight file (packed layer file or safetensors shard) is missing, unreadable, truncated or
-    of the wrong size. Raised when the model is opened, before any generation."""
+    of the wrong size. Raised when the model is opened, before any generation (its subclass
+    ``ExpertChecksumError`` by the first read of a damaged expert)."""
+
+
+class ExpertChecksumError(ExpertFileError):
+    """A converted expert's bytes differ from the checksum ``convert`` recorded for it: the layer
+    file was damaged after conversion (same size, other bytes). Raised by the read that first
+    meets that expert, before anything is computed from it; the message names the file, layer
+    and expert. ``moeflux-mlx convert`` over the conversion rewrites the damaged layer file."""
 
 
 class ExpertReadError(MoefluxError, OSError):

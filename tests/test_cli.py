@@ -74,8 +74,11 @@ def test_compare_fails_on_different_experts(ckpts, packed, tmp_path, capsys):
     other_packed = convert(other, tmp_path / "seed1-packed", progress=False)
     tampered = tmp_path / "tampered"
     shutil.copytree(packed, tampered)
+    # the other experts with their layout.json (its recorded checksums), so that they are read
+    # as a sound conversion, only of other weights
     for f in (other_packed / PACKED_DIR).glob("layer_*.bin"):
         shutil.copy(f, tampered / PACKED_DIR / f.name)
+    shutil.copy(other_packed / PACKED_DIR / "layout.json", tampered / PACKED_DIR / "layout.json")
 
     rc = cli.main(["compare", str(ckpts["qwen3_moe"]), "--converted", str(tampered), "-m", "8"])
     out = capsys.readouterr().out
@@ -84,6 +87,18 @@ def test_compare_fails_on_different_experts(ckpts, packed, tmp_path, capsys):
     # ... and the untouched converted directory passes, so the failure is the experts' doing.
     rc = cli.main(["compare", str(ckpts["qwen3_moe"]), "--converted", str(packed), "-m", "8"])
     assert rc == 0
+
+
+def test_compare_says_each_prompt_as_it_starts(ckpts, capsys):
+    """A status line per prompt and side on stderr: a slow model is not silent for minutes."""
+    rc = cli.main(["compare", str(ckpts["qwen3_moe"]), "-p", "one", "-p", "two", "-m", "3"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    for side in ("stock mlx-lm", "moeflux-mlx"):
+        for i in (1, 2):
+            assert re.search(
+                rf"^{side}: prompt {i}/2 \(\d+ tokens, up to 3 more\) \.\.\.$", err, re.M
+            ), err
 
 
 def test_compare_tolerances_apply(ckpts, capsys):

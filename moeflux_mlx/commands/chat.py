@@ -24,16 +24,20 @@ from ..model.lookup_decoding import stream_lookup_generate
 from .common import (
     PROG,
     add_distributed_args,
+    add_kv_args,
     add_load_args,
     add_lookup_args,
     add_model_arg,
     add_sampling_args,
+    add_tokenizer_args,
     command_parser,
     distributed,
+    kv_kwargs,
     load_model,
     lookup_kwargs,
     main_for,
     make_sampler,
+    prefill_progress,
     print_stream,
     read_prompt,
     say,
@@ -56,14 +60,21 @@ DESCRIPTION = "chat in the terminal (multi-turn, streamed)"
 class ChatSession:
     """A conversation with ``model`` whose KV cache is kept between turns."""
 
-    def __init__(self, model, tokenizer, system_prompt: Optional[str] = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        system_prompt: Optional[str] = None,
+        max_kv_size: Optional[int] = None,
+    ):
         self.model, self.tokenizer, self.system_prompt = model, tokenizer, system_prompt
+        self.max_kv_size = max_kv_size  # mlx-lm's --max-kv-size: a rotating cache
         self.reset()
 
     def reset(self) -> None:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         self.messages = system
-        self.cache = make_prompt_cache(self.model)
+        self.cache = make_prompt_cache(self.model, self.max_kv_size)
         self.cached: List[int] = []  # the tokens whose keys and values are in self.cache
         self.new_tokens = self.reused_tokens = 0  # of the last turn's prompt
 
@@ -91,7 +102,7 @@ class ChatSession:
             log.info(
                 "the prompt cache cannot be trimmed (recurrent layers): re-reading the conversation"
             )
-            self.cache, keep = make_prompt_cache(self.model), 0
+            self.cache, keep = make_prompt_cache(self.model, self.max_kv_size), 0
         self.cached = tokens[:keep]
         return tokens[keep:]
 
@@ -139,7 +150,7 @@ class ChatSession:
                 self.messages.append({"role": "assistant", "content": reply})
             else:  # interrupted mid-reply: the cache holds an unknown tail; forget the turn
                 self.messages.pop()
-                self.cache, self.cached = make_prompt_cache(self.model), []
+                self.cache, self.cached = make_prompt_cache(self.model, self.max_kv_size), []
 
 
 def reply(session: ChatSession, text: str, args: argparse.Namespace, sampler, group=None) -> None:
@@ -148,7 +159,14 @@ def reply(session: ChatSession, text: str, args: argparse.Namespace, sampler, gr
         runtime.reset_stats()
     # closing(): an interrupted reply runs send()'s cleanup now, not whenever it is collected
     lookup = lookup_kwargs(args)
-    turn = session.send(text, lookup, max_tokens=args.max_tokens, sampler=sampler)
+    turn = session.send(
+        text,
+        lookup,
+        max_tokens=args.max_tokens,
+        sampler=sampler,
+        prompt_progress_callback=prefill_progress(args.prefill_step_size + 1),
+        **kv_kwargs(args),
+    )
     with contextlib.closing(turn) as s:
         last = print_stream(s)
     draft = None if lookup is None else lookup["stats"]
@@ -197,8 +215,8 @@ def run(args: argparse.Namespace) -> int:
     group = distributed()  # under mlx.launch: this process's share; rank 0 prints
     model, tokenizer = load_model(args, group=group)
     try:
-        session = ChatSession(model, tokenizer, args.system_prompt)
-        sampler = make_sampler(args)
+        session = ChatSession(model, tokenizer, args.system_prompt, args.max_kv_size)
+        sampler = make_sampler(args, tokenizer)
         if prompt is not None:
             reply(session, prompt, args, sampler, group)
             return 0
@@ -221,7 +239,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="one-shot: send this message ('-' reads stdin), print the reply and its stats, exit",
     )
     parser.add_argument("--system-prompt", default=None, help="system prompt for the chat template")
+    add_tokenizer_args(parser)
     add_sampling_args(parser, DEFAULT_MAX_TOKENS)
+    add_kv_args(parser, quantized=False)
     add_lookup_args(parser)
     add_load_args(parser)
     add_distributed_args(parser)

@@ -20,7 +20,16 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.generate import generation_stream
+from mlx_lm.generate import (
+    DEFAULT_MIN_P,
+    DEFAULT_MIN_TOKENS_TO_KEEP,
+    DEFAULT_PREFILL_STEP_SIZE,
+    DEFAULT_QUANTIZED_KV_START,
+    DEFAULT_TOP_K,
+    DEFAULT_XTC_PROBABILITY,
+    DEFAULT_XTC_THRESHOLD,
+    generation_stream,
+)
 from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
 from mlx_lm.utils import _download
 
@@ -243,6 +252,37 @@ def add_sampling_args(
         default=DEFAULT_SEED,
         help=f"PRNG seed, 0 to 2^64 - 1 (default: {DEFAULT_SEED})",
     )
+    parser.add_argument(
+        "--min-p",
+        type=float_in(0.0, 1.0),
+        default=DEFAULT_MIN_P,
+        help=f"sampling min-p, in [0, 1]; 0: off (default: {DEFAULT_MIN_P})",
+    )
+    parser.add_argument(
+        "--top-k",
+        type=int_at_least(0),
+        default=DEFAULT_TOP_K,
+        help=f"sampling top-k, >= 0; 0: off (default: {DEFAULT_TOP_K})",
+    )
+    parser.add_argument(
+        "--min-tokens-to-keep",
+        type=positive_int,
+        default=DEFAULT_MIN_TOKENS_TO_KEEP,
+        help=f"the fewest tokens min-p keeps (default: {DEFAULT_MIN_TOKENS_TO_KEEP})",
+    )
+    parser.add_argument(
+        "--xtc-probability",
+        type=float_in(0.0, 1.0),
+        default=DEFAULT_XTC_PROBABILITY,
+        help="probability of XTC sampling at each token, in [0, 1] "
+        f"(default: {DEFAULT_XTC_PROBABILITY})",
+    )
+    parser.add_argument(
+        "--xtc-threshold",
+        type=float_in(0.0, 0.5),
+        default=DEFAULT_XTC_THRESHOLD,
+        help=f"XTC's probability threshold, in [0, 0.5] (default: {DEFAULT_XTC_THRESHOLD})",
+    )
 
 
 def add_lookup_args(parser: argparse.ArgumentParser) -> None:
@@ -276,10 +316,114 @@ def lookup_kwargs(args: argparse.Namespace) -> Optional[dict]:
     return dict(num_draft_tokens=k, ngram_max=args.ngram, ngram_min=1, stats=LookupStats())
 
 
-def make_sampler(args: argparse.Namespace):
-    """mlx-lm's sampler for ``--temp`` / ``--top-p``; seeds MLX's PRNG with ``--seed``."""
+def make_sampler(args: argparse.Namespace, tokenizer=None):
+    """mlx-lm's sampler (``mlx_lm.sample_utils.make_sampler``) for the sampling flags, as
+    ``mlx_lm.generate`` builds it; seeds MLX's PRNG with ``--seed``.
+
+    Args:
+        args: the parsed flags (``--temp``, ``--top-p``, ``--min-p``, ``--top-k``, ...).
+        tokenizer: the model's tokenizer, for XTC's special tokens (newline and EOS).
+
+    Returns:
+        The sampler.
+    """
     mx.random.seed(args.seed)
-    return mlx_make_sampler(args.temp, args.top_p)
+    special = []
+    if tokenizer is not None:
+        special = list(tokenizer.encode("\n")) + list(tokenizer.eos_token_ids)
+    return mlx_make_sampler(
+        args.temp,
+        args.top_p,
+        getattr(args, "min_p", DEFAULT_MIN_P),
+        getattr(args, "min_tokens_to_keep", DEFAULT_MIN_TOKENS_TO_KEEP),
+        top_k=getattr(args, "top_k", DEFAULT_TOP_K),
+        xtc_probability=getattr(args, "xtc_probability", DEFAULT_XTC_PROBABILITY),
+        xtc_threshold=getattr(args, "xtc_threshold", DEFAULT_XTC_THRESHOLD),
+        xtc_special_tokens=special,
+    )
+
+
+def add_kv_args(parser: argparse.ArgumentParser, quantized: bool = True) -> None:
+    """mlx-lm's KV cache and prefill flags (``--max-kv-size``, ``--prefill-step-size`` and,
+    with ``quantized``, ``--kv-bits``, ``--kv-group-size``, ``--quantized-kv-start``), with
+    mlx-lm's defaults."""
+    group = parser.add_argument_group("KV cache and prefill (as mlx-lm)")
+    group.add_argument(
+        "--max-kv-size",
+        type=positive_int,
+        default=None,
+        help="the most tokens the KV cache keeps (a rotating cache); default: no limit",
+    )
+    group.add_argument(
+        "--prefill-step-size",
+        type=positive_int,
+        default=DEFAULT_PREFILL_STEP_SIZE,
+        help="prompt tokens processed at a time; smaller lowers peak memory during prefill "
+        f"(default: {DEFAULT_PREFILL_STEP_SIZE})",
+    )
+    if not quantized:
+        return
+    group.add_argument(
+        "--kv-bits",
+        type=int_at_least(1, 8),
+        default=None,
+        help="bits of a quantized KV cache (default: not quantized)",
+    )
+    group.add_argument(
+        "--kv-group-size", type=positive_int, default=64, help="KV quantization group size"
+    )
+    group.add_argument(
+        "--quantized-kv-start",
+        type=int_at_least(0),
+        default=DEFAULT_QUANTIZED_KV_START,
+        help="with --kv-bits: quantize the KV cache from this many tokens on "
+        f"(default: {DEFAULT_QUANTIZED_KV_START})",
+    )
+
+
+def add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
+    """``--trust-remote-code``, as mlx-lm's commands take it."""
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="trust the model's own tokenizer code (Hugging Face's trust_remote_code)",
+    )
+
+
+def kv_kwargs(args: argparse.Namespace) -> dict:
+    """``stream_generate``'s prefill and KV-cache keywords for the flags ``add_kv_args`` adds
+    (those a command lacks are left out, so mlx-lm's defaults apply)."""
+    names = ("prefill_step_size", "kv_bits", "kv_group_size", "quantized_kv_start")
+    return {n: getattr(args, n) for n in names if hasattr(args, n)}
+
+
+PROGRESS_MIN_TOKENS = 2048  # a prompt this long or longer shows its prefill's progress
+
+
+def prefill_progress(
+    total_at_least: int = PROGRESS_MIN_TOKENS, out=None
+) -> Callable[[int, int], None]:
+    """A ``prompt_progress_callback`` for mlx-lm's ``stream_generate``: for a prompt of at
+    least ``total_at_least`` tokens, one line on stderr per prefill step
+    (``prompt: 2048/8000 tokens (25.6%, 412.3 tok/s)``); shorter prompts print nothing.
+
+    Args:
+        total_at_least: the shortest prompt shown.
+        out: where to write (default: stderr; rank 0 only under mlx.launch).
+
+    Returns:
+        The callback, taking (tokens processed, prompt tokens).
+    """
+    t0 = time.perf_counter()
+
+    def show(done: int, total: int) -> None:
+        if total < total_at_least or _RANK != 0 or (done == 0 and total > 0):
+            return
+        rate = done / max(time.perf_counter() - t0, 1e-9)
+        line = f"prompt: {done}/{total} tokens ({100 * done / total:.1f}%, {rate:.1f} tok/s)"
+        print(line, file=out or sys.stderr, flush=True)
+
+    return show
 
 
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
@@ -409,16 +553,21 @@ def load_model(
     args: argparse.Namespace,
     path: Optional[Path] = None,
     group: Optional[mx.distributed.Group] = None,
+    tokenizer_config: Optional[dict] = None,
 ):
     """``moeflux_mlx.load`` with the command's options, or with a ``group`` (``distributed()``)
     ``moeflux_mlx.sharded_load``: a pipeline with ``--pipeline``, else tensor parallelism.
-    Prints what was loaded (under mlx.launch: each process's share)."""
+    Prints what was loaded (under mlx.launch: each process's share). ``tokenizer_config`` as
+    for ``mlx_lm.load``; ``--trust-remote-code`` is added to it."""
+    tokenizer_config = dict(tokenizer_config or {})
+    if getattr(args, "trust_remote_code", False):
+        tokenizer_config["trust_remote_code"] = True
     options = load_options(args)  # a bad MOEFLUX_* variable fails before anything is read
     path = resolve_model(args.model) if path is None else path
     t0 = time.perf_counter()
     if group is None:
         say(f"Loading {path} ...")
-        model, tokenizer = load(path, options=options)
+        model, tokenizer = load(path, options=options, tokenizer_config=tokenizer_config)
         split = ""
     else:
         pipeline = getattr(args, "pipeline", False)
@@ -429,6 +578,7 @@ def load_model(
             pipeline_group=group if pipeline else None,
             tensor_group=None if pipeline else group,
             options=options,
+            tokenizer_config=tokenizer_config,
         )
     rt = model.moeflux
     # the backend as the runtime reports it: what computes the experts, not what was asked for

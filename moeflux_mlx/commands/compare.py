@@ -205,9 +205,17 @@ def _release_memory() -> None:
     mx.clear_cache()
 
 
-def _run_all(model, prompts: List[List[int]], max_tokens: int, eos: set) -> List[GreedyRun]:
+def _run_all(
+    model, prompts: List[List[int]], max_tokens: int, eos: set, side: str = ""
+) -> List[GreedyRun]:
+    """Each prompt greedily after a warm-up; a status line per prompt (``side: prompt 2/3 ...``)
+    as it starts, so that a slow model is not silent for minutes."""
     greedy(model, prompts[0], 2, eos)  # warm-up (compiled functions), so speeds compare fairly
-    return [greedy(model, p, max_tokens, eos) for p in prompts]
+    runs = []
+    for i, p in enumerate(prompts, 1):
+        say(f"{side}: prompt {i}/{len(prompts)} ({len(p)} tokens, up to {max_tokens} more) ...")
+        runs.append(greedy(model, p, max_tokens, eos))
+    return runs
 
 
 def check_models(model_path: Path, moeflux_path: Path, load_options: Optional[dict]) -> None:
@@ -313,7 +321,7 @@ def compare(
         model, tokenizer = mlx_lm.load(str(model_path))[:2]  # no config: not asked for it
         tokens = [prompt_tokens(tokenizer, p, use_chat_template=use_chat_template) for p in prompts]
         eos = set(tokenizer.eos_token_ids)
-        stock_runs = _run_all(model, tokens, max_tokens, eos)
+        stock_runs = _run_all(model, tokens, max_tokens, eos, "stock mlx-lm")
         del model, tokenizer  # stock weights out of memory before the streaming model loads
         _release_memory()
         report.stock_ran = True
@@ -336,7 +344,7 @@ def compare(
             ]
         eos = set(tokenizer.eos_token_ids)
         model.moeflux.reset_stats()
-        runs = _run_all(model, tokens, max_tokens, eos)
+        runs = _run_all(model, tokens, max_tokens, eos, "moeflux-mlx")
         stats = model.moeflux.stats_dict()
         report.backend = stats["backend"]
         report.expert_stats = dict(stats["total"], io_mode=stats["io_mode"])

@@ -26,6 +26,11 @@ def run(args: argparse.Namespace) -> int:
         print(demo_model.checkpoint_path())
         return 0
     args.model = None
+    # generate's flags that demo does not take, at their defaults
+    defaults = command_parser("generate", generate.DESCRIPTION, generate.add_args).parse_args([])
+    for name, value in vars(defaults).items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
     rc = generate.run(args)
     say(
         "This was the built-in demo model (53 M parameters, trained on a few books and manuals). "

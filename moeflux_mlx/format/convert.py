@@ -26,6 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import CheckpointError, ConvertError, ExpertFileError, ExpertReadError, MoefluxError
+from . import checksums
 from .checkpoint import (
     LAYOUT_FILE,
     MOEFLUX_CONFIG_KEY,
@@ -61,9 +62,10 @@ def convert(
     ``src`` is only read. ``dst`` appears in one rename once everything is written (and verified,
     with ``verify=True``), so it never exists half-written. A failed or killed conversion leaves
     ``dst.partial``; a rerun with the same, unchanged source resumes there (files completed before
-    the interruption are kept), otherwise it starts afresh. An existing ``dst`` is never touched:
-    a finished conversion of this same source is returned as it is (nothing to do), an empty
-    directory is replaced by the result, anything else is refused.
+    the interruption are kept), otherwise it starts afresh. An existing ``dst`` is checked: a
+    finished conversion of this same source has its layer files' sizes and recorded checksums
+    verified, and those that are wrong are rewritten from ``src`` (``notify`` names them; nothing
+    else is touched); an empty directory is replaced by the result; anything else is refused.
 
     Args:
         src: an mlx-lm MoE checkpoint directory (experts stacked, as mlx-lm saves them).
@@ -71,8 +73,9 @@ def convert(
             contiguous blob per expert) and ``packed_experts/layout.json``.
         verify: re-read everything written and compare it with ``src`` byte for byte.
         progress: show a progress bar.
-        notify: called with a sentence for the user when there is nothing to do, when an
-            interrupted conversion is resumed, or when a stale ``dst.partial`` is discarded.
+        notify: called with a sentence for the user when there is nothing to do, when damaged
+            layer files of a finished conversion were rewritten, when an interrupted conversion
+            is resumed, or when a stale ``dst.partial`` is discarded.
 
     Returns:
         ``dst``.
@@ -93,7 +96,7 @@ def convert(
         raise ConvertError(f"{dst}: is SRC itself; choose another destination")
     if dst.exists() or dst.is_symlink():
         if _finished_from(dst, state):
-            say(f"Nothing to do: {dst} is already a finished conversion of {src}.")
+            _repair(ckpt, dst, say, progress)
             return dst
         if not _empty_dir(dst):
             raise ConvertError(
@@ -109,11 +112,11 @@ def convert(
         ) as bar:
             _write_dense(ckpt, work, bar)
             (work / PACKED_DIR).mkdir(exist_ok=True)
-            for layer, layout in sorted(ckpt.layout.layers.items()):
-                _write_layer(ckpt, layer, layout, packed_file(work, layer), bar)
-        _atomic_write_text(
-            work / PACKED_DIR / LAYOUT_FILE, json.dumps(ckpt.layout.to_dict(), indent=1)
-        )
+            sums = {
+                layer: _write_layer(ckpt, layer, layout, packed_file(work, layer), bar)
+                for layer, layout in sorted(ckpt.layout.layers.items())
+            }
+        _write_layout(work, ckpt, sums)
         _copy_side_files(src, work)
         config = dict(ckpt.config)
         config[MOEFLUX_CONFIG_KEY] = {
@@ -288,10 +291,98 @@ def _write_safetensors(out: Path, tensors: Dict[str, TensorRange], bar) -> None:
     os.replace(tmp, out)
 
 
-def _write_layer(ckpt: CheckpointExperts, layer: int, layout: ExpertLayout, out: Path, bar) -> None:
-    if out.exists() and out.stat().st_size == layout.layer_bytes:
-        bar.update(layout.layer_bytes)
+def _write_layout(work: Path, ckpt: CheckpointExperts, sums: Dict[int, np.ndarray]) -> None:
+    """layout.json: the experts' layout and the checksum of every blob written."""
+    d = ckpt.layout.to_dict()
+    d[checksums.CHECKSUMS_KEY] = checksums.to_json(sums)
+    _atomic_write_text(work / PACKED_DIR / LAYOUT_FILE, json.dumps(d, indent=1))
+
+
+def _damage(path: Path, layer: int, layout: ExpertLayout, want: Optional[np.ndarray]) -> str:
+    """What is wrong with a finished conversion's layer file ("" when nothing is)."""
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        return e.strerror or str(e)
+    if size != layout.layer_bytes:
+        return f"{size} bytes, {layout.layer_bytes} expected"
+    if want is None:
+        return ""
+    try:
+        got = checksums.file_checksums(path, layout, layer)
+    except ExpertFileError as e:
+        return str(e)
+    bad = np.flatnonzero(got != want)
+    if not bad.size:
+        return ""
+    return f"{bad.size} expert{'s' * (bad.size != 1)} not as written (expert {int(bad[0])} first)"
+
+
+def _repair(ckpt: CheckpointExperts, dst: Path, say: Callable[[str], None], progress: bool) -> None:
+    """Check a finished conversion's layer files (sizes, and the checksums recorded at
+    conversion) and rewrite from the source those that are wrong, saying which."""
+    layout_file = dst / PACKED_DIR / LAYOUT_FILE
+    recorded = checksums.read_recorded(layout_file, packed_layout(dst))
+    bad = {}
+    total = ckpt.layout.total_expert_bytes
+    with tqdm(total=total, unit="B", unit_scale=True, desc="check", disable=not progress) as bar:
+        for layer, layout in sorted(ckpt.layout.layers.items()):
+            want = None if recorded is None else recorded.get(layer)
+            why = _damage(packed_file(dst, layer), layer, layout, want)
+            if why:
+                bad[layer] = why
+            bar.update(layout.layer_bytes)
+    checked = "sizes and checksums" if recorded is not None else "sizes only: no checksums recorded"
+    if not bad:
+        say(
+            f"Nothing to do: {dst} is already a finished conversion of {ckpt.path} "
+            f"({len(ckpt.layout.layers)} layer files checked, {checked})."
+        )
         return
+    try:
+        with tqdm(
+            total=sum(ckpt.layout.layers[i].layer_bytes for i in bad),
+            unit="B",
+            unit_scale=True,
+            desc="rewrite",
+            disable=not progress,
+        ) as bar:
+            sums = {}
+            for layer in sorted(bad):
+                path = packed_file(dst, layer)
+                sums[layer] = _write_layer(ckpt, layer, ckpt.layout.layers[layer], path, bar, True)
+        if recorded is None or any((sums[i] != recorded[i]).any() for i in sums):
+            everything = dict(recorded or {})
+            for layer, layout in ckpt.layout.layers.items():
+                if layer not in everything:
+                    everything[layer] = checksums.file_checksums(
+                        packed_file(dst, layer), layout, layer
+                    )
+            everything.update(sums)
+            _write_layout(dst, ckpt, everything)
+        _fsync_dir(dst / PACKED_DIR)
+    except MoefluxError:
+        raise
+    except OSError as e:
+        raise ConvertError(f"{dst}: rewriting damaged layer files failed: {e}") from e
+    listed = "; ".join(f"{packed_file(dst, i).name} (layer {i}: {why})" for i, why in bad.items())
+    say(f"Repaired {dst}: rewrote {len(bad)} damaged layer file{'s' * (len(bad) != 1)}: {listed}.")
+
+
+def _write_layer(
+    ckpt: CheckpointExperts,
+    layer: int,
+    layout: ExpertLayout,
+    out: Path,
+    bar,
+    rewrite: bool = False,
+) -> np.ndarray:
+    """Write one layer file from the source (kept when a resumed run finds it complete, unless
+    ``rewrite``); return the CRC-32 of each blob in it."""
+    if not rewrite and out.exists() and out.stat().st_size == layout.layer_bytes:
+        bar.update(layout.layer_bytes)  # written, fsynced and renamed by an interrupted run
+        return checksums.file_checksums(out, layout, layer)
+    sums = np.empty(layout.num_experts, np.uint32)
     ranges = ckpt.ranges[layer]
     per_chunk = max(1, CHUNK_BYTES // layout.blob_size)
     blobs = np.zeros((per_chunk, layout.blob_size), np.uint8)  # zeros: alignment padding stays 0
@@ -315,6 +406,7 @@ def _write_layer(ckpt: CheckpointExperts, layer: int, layout: ExpertLayout, out:
                         f"{r.file} (layer {layer}, {c.name})",
                     )
                     blobs[:n, c.offset : c.offset + c.nbytes] = part
+                sums[e0 : e0 + n] = checksums.blob_checksums(blobs[:n])
                 f.write(memoryview(blobs[:n]).cast("B"))
                 bar.update(n * layout.blob_size)
             f.flush()
@@ -323,6 +415,7 @@ def _write_layer(ckpt: CheckpointExperts, layer: int, layout: ExpertLayout, out:
     finally:
         for fd in fds.values():
             os.close(fd)
+    return sums
 
 
 def _copy_side_files(src: Path, work: Path) -> None:

@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import threading
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
@@ -21,9 +22,23 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 import numpy as np
 import psutil
 
-from ..errors import ExpertIndexError, ExpertReadError, LayoutError, ModelClosedError
+from ..errors import (
+    ExpertChecksumError,
+    ExpertIndexError,
+    ExpertReadError,
+    LayoutError,
+    ModelClosedError,
+)
+from ..format import checksums as blob_sums
 from ..format import readers
-from ..format.checkpoint import check_packed, is_packed, packed_file, scan_checkpoint
+from ..format.checkpoint import (
+    LAYOUT_FILE,
+    PACKED_DIR,
+    check_packed,
+    is_packed,
+    packed_file,
+    scan_checkpoint,
+)
 from ..format.layout import ExpertLayout, ExpertShard, ModelLayout, Span
 from ..format.readers import LayerSource, PackedLayer, SafetensorsLayer, advise_random_reads
 from ..format.safetensors import TensorRange
@@ -98,7 +113,14 @@ class ExpertStore:
     finished); nothing is cached from a failed call, so the next call simply reads again. An
     interrupt (``KeyboardInterrupt``) while reads are in flight cancels the shares not begun,
     stops the others at their next piece and retires the staging buffer they write into, so a
-    straggler cannot corrupt a later call."""
+    straggler cannot corrupt a later call.
+
+    Damage: where ``convert`` recorded each blob's CRC-32 (a converted directory), each expert
+    read whole (``read``, ``read_one``) is checked against it the first time it is read, and
+    never again (a bitmap per layer of the experts checked; a layer whose every expert is
+    checked costs one dict lookup a call). A mismatch raises ``ExpertChecksumError`` naming the
+    file, layer and expert, before the bytes are used. Not checked: plain mlx-lm checkpoints (no
+    checksums), a part of every expert (tensor parallelism) and ``read_range``'s pieces."""
 
     def __init__(
         self,
@@ -106,9 +128,20 @@ class ExpertStore:
         io_mode: str,
         threads: int = 8,
         warm_threads: int = DEFAULT_WARM_READ_THREADS,
+        checksums: Optional[Mapping[int, np.ndarray]] = None,
     ):
         self.layers = layers  # layer -> PackedLayer | SafetensorsLayer | ShardedLayer
         self.io_mode = io_mode
+        # layer -> the CRC-32 convert recorded per expert (whole-blob layers only)
+        self._checksums: Dict[int, np.ndarray] = {
+            i: np.asarray(c, np.uint32)
+            for i, c in (checksums or {}).items()
+            if i in layers and not isinstance(layers[i], ShardedLayer)
+        }
+        # layer -> which experts have been checked; a layer leaves once all of them have
+        self._unchecked: Dict[int, np.ndarray] = {
+            i: np.zeros(c.size, bool) for i, c in self._checksums.items()
+        }
         if io_mode != "mmap":  # scattered reads of pieces (mmap keeps readahead: warm reuse)
             for src in layers.values():
                 for path, fd in src.file_descriptors().items():
@@ -205,7 +238,21 @@ class ExpertStore:
         return self._staging[: n * size].reshape(n, size)
 
     def read(self, layer: int, experts: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
-        """Blobs of ``experts`` (sorted, unique) of ``layer`` as ``[n, blob_size]`` uint8."""
+        """Blobs of ``experts`` (sorted, unique) of ``layer`` as ``[n, blob_size]`` uint8.
+
+        Args:
+            layer: the decoder layer.
+            experts: expert indices.
+            out: where to read them (default: the store's staging buffer).
+
+        Returns:
+            The blobs.
+
+        Raises:
+            ExpertReadError: a read failed or a file ends first.
+            ExpertIndexError: an index the layer does not have.
+            ExpertChecksumError: an expert read for the first time is not what convert wrote.
+        """
         if self.closed:
             raise ModelClosedError("the expert store is closed; load the model again")
         self.check_experts(layer, experts)
@@ -221,7 +268,35 @@ class ExpertStore:
             src.read_pread(experts, out)
         else:
             self._read_parallel(layer, src, experts, out, staged)
+        if layer in self._unchecked:  # the first reads of a converted layer's experts
+            self._check(layer, np.asarray(experts).reshape(-1), out)
         return out
+
+    def _check(self, layer: int, experts: np.ndarray, blobs: np.ndarray) -> None:
+        """Check the experts of ``layer`` read for the first time against their recorded
+        CRC-32; mark them checked.
+
+        Raises:
+            ExpertChecksumError: one's bytes are not those convert wrote.
+        """
+        checked = self._unchecked.get(layer)
+        if checked is None:
+            return
+        want = self._checksums[layer]
+        for i in np.flatnonzero(~checked[experts]):
+            e = int(experts[i])
+            got = zlib.crc32(blobs[i])
+            if got != int(want[e]):
+                path = getattr(self.layers[layer], "path", None)
+                raise ExpertChecksumError(
+                    f"{path}: layer {layer}, expert {e}: the bytes read are not those convert "
+                    f"wrote (CRC-32 {got:08x}, recorded {int(want[e]):08x}): the file is "
+                    "damaged; run `moeflux-mlx convert SRC DST` over this directory again to "
+                    "rewrite it"
+                )
+            checked[e] = True
+        if checked.all():
+            self._unchecked.pop(layer, None)
 
     def read_one(self, layer: int, e: int, out: np.ndarray) -> None:
         """Expert ``e`` of ``layer`` into ``out`` (``[blob_size]`` uint8), in the calling thread,
@@ -229,13 +304,17 @@ class ExpertStore:
 
         Raises:
             ExpertReadError: a read failed or a file ends first.
+            ExpertChecksumError: the expert's bytes are not those convert wrote (checked at
+                its first read only).
         """
         src = self._source(layer)
         if not self._uncached or isinstance(src, ShardedLayer):
             src.read_one(e, out)
-            return
-        for fd, start, at, n, what in src.pieces(e):
-            self.read_range(fd, start, out[at : at + n], what)
+        else:
+            for fd, start, at, n, what in src.pieces(e):
+                self.read_range(fd, start, out[at : at + n], what)
+        if layer in self._unchecked:
+            self._check(layer, np.array([e]), out.reshape(1, -1))
 
     def read_range(self, fd: int, start: int, into: np.ndarray, what: str) -> None:
         """One contiguous range of an expert file as this store's reads go (uncached in
@@ -327,6 +406,8 @@ class ExpertStore:
                 )
             if isinstance(src, PackedLayer):
                 d["file"] = str(src.path)
+                if i in self._checksums:
+                    d["checksums"] = blob_sums.encode(self._checksums[i])
             else:
                 d["ranges"] = {
                     c.name: {
@@ -398,8 +479,10 @@ def open_store(
     """
     path = Path(path)
     make: Callable[[int, ExpertLayout], LayerSource]
+    recorded = None  # plain checkpoints record no checksums: nothing to check against
     if is_packed(path):
         model_layout = check_packed(path)
+        recorded = blob_sums.read_recorded(path / PACKED_DIR / LAYOUT_FILE, model_layout)
         make = lambda i, lay: PackedLayer(i, lay, packed_file(path, i))
     else:
         ckpt = scan_checkpoint(path)
@@ -426,7 +509,7 @@ def open_store(
             {i: src.layout for i, src in layers.items()}, {i: paths[i] for i in layers}
         )
     mode = select_expert_io(model_layout.total_expert_bytes, io_mode)
-    return ExpertStore(layers, mode, threads, warm_threads), model_layout
+    return ExpertStore(layers, mode, threads, warm_threads, recorded), model_layout
 
 
 def _chunks(
@@ -644,12 +727,15 @@ Source = Union[LayerSource, ShardedLayer]  # what the store reads one layer's ex
 def store_from_spec(spec: dict) -> ExpertStore:
     """The store ``ExpertStore.spec()`` describes (opened again, e.g. in the miss server)."""
     layers: Dict[int, Source] = {}
+    sums: Dict[int, np.ndarray] = {}
     try:
         for k, d in spec["layers"].items():
             i = int(k)
             layout = ExpertLayout.from_dict(d["layout"], f"layer {i}")
             if "file" in d:
                 layers[i] = PackedLayer(i, layout, Path(d["file"]))
+                if "checksums" in d:
+                    sums[i] = np.frombuffer(bytes.fromhex(d["checksums"]), ">u4")
             else:
                 ranges = {
                     name: TensorRange(
@@ -666,4 +752,6 @@ def store_from_spec(spec: dict) -> ExpertStore:
         for src in layers.values():
             src.close()
         raise
-    return ExpertStore(layers, spec["io_mode"], int(spec["threads"]), int(spec["warm_threads"]))
+    return ExpertStore(
+        layers, spec["io_mode"], int(spec["threads"]), int(spec["warm_threads"]), sums
+    )
