@@ -69,7 +69,8 @@ def test_commands_take_mlx_lm_flags(command, mlx_parser, not_taken):
 def test_generate_defaults_are_mlx_lm_s():
     ours = vars(_subparser("generate").parse_args([]))
     theirs = vars(mlx_generate_parser().parse_args([]))
-    differ = {"model", "verbose", "seed"}  # the demo model; logging; seed 0, not None (docs)
+    # the demo model; logging; seed 0, not None; the prefill step: the model's own (docs)
+    differ = {"model", "verbose", "seed", "prefill_step_size"}
     for name, value in theirs.items():
         if name in ours and name not in differ:
             assert ours[name] == value or list(ours[name]) == list(value), name

@@ -42,6 +42,7 @@ from .common import (
     read_prompt,
     say,
     stats_line,
+    take_prefill_step,
 )
 
 log = logging.getLogger(__name__)
@@ -214,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = None if args.prompt is None else read_prompt(args.prompt)
     group = distributed()  # under mlx.launch: this process's share; rank 0 prints
     model, tokenizer = load_model(args, group=group)
+    take_prefill_step(args, model)
     try:
         session = ChatSession(model, tokenizer, args.system_prompt, args.max_kv_size)
         sampler = make_sampler(args, tokenizer)

@@ -357,9 +357,10 @@ def add_kv_args(parser: argparse.ArgumentParser, quantized: bool = True) -> None
     group.add_argument(
         "--prefill-step-size",
         type=positive_int,
-        default=DEFAULT_PREFILL_STEP_SIZE,
+        default=None,
         help="prompt tokens processed at a time; smaller lowers peak memory during prefill "
-        f"(default: {DEFAULT_PREFILL_STEP_SIZE})",
+        f"(default: the model's choice: {DEFAULT_PREFILL_STEP_SIZE}, as mlx-lm, where every "
+        "expert is resident; larger where experts stream, so a prompt reads them fewer times)",
     )
     if not quantized:
         return
@@ -388,6 +389,16 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="trust the model's own tokenizer code (Hugging Face's trust_remote_code)",
     )
+
+
+def take_prefill_step(args: argparse.Namespace, model) -> None:
+    """``--prefill-step-size`` left unset becomes the loaded model's own choice
+    (``model.moeflux.prefill_step_size``; mlx-lm's 2048 for a model without streamed experts)."""
+    if getattr(args, "prefill_step_size", 0) is None:
+        runtime = getattr(model, "moeflux", None)
+        args.prefill_step_size = (
+            runtime.prefill_step_size if runtime is not None else DEFAULT_PREFILL_STEP_SIZE
+        )
 
 
 def kv_kwargs(args: argparse.Namespace) -> dict:

@@ -37,6 +37,7 @@ from .common import (
     read_prompt,
     say,
     stats_line,
+    take_prefill_step,
 )
 
 DESCRIPTION = "generate a reply to one prompt"
@@ -118,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     group = distributed()  # under mlx.launch: this process's share; rank 0 prints
     tokenizer_config = json.loads(metadata["tokenizer_config"]) if metadata else None
     model, tokenizer = load_model(args, group=group, tokenizer_config=tokenizer_config)
+    take_prefill_step(args, model)
     try:
         for token in args.extra_eos_token:
             try:
