@@ -169,9 +169,9 @@ def test_the_bound_of_a_direct_run_reads_uncached(tiny_checkpoints):
 def test_background_reads_go_uncached_too(tiny_checkpoints, monkeypatch):
     """The prefetcher (and the CUDA miss server's read ahead) read through ``store.read_one``:
     uncached in ``direct`` mode, the same bytes as the pread store."""
+    from moeflux_mlx.counters import Stats
     from moeflux_mlx.errors import ModelClosedError
     from moeflux_mlx.io.prefetch import Prefetcher
-    from moeflux_mlx.stats import Stats
 
     _, packed = tiny_checkpoints["qwen3_moe"]
     calls = []

@@ -24,6 +24,7 @@ from ..compute.backend import (
     served_summary,
 )
 from ..compute.kernels import MAX_TOKENS, ExpertSpec, KernelBackend
+from ..counters import Stats
 from ..cuda import layer_copy
 from ..cuda import runtime as cuda_runtime
 from ..cuda.table_cache import DeviceTable, table_layers
@@ -31,7 +32,6 @@ from ..errors import ModelClosedError
 from ..format.layout import ModelLayout
 from ..io.store import ExpertStore
 from ..options import LoadOptions, Tuning, parse_budget
-from ..stats import Stats
 
 log = logging.getLogger(__name__)
 
