@@ -5,6 +5,15 @@ import subprocess
 import sys
 import textwrap
 
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx.utils import tree_flatten, tree_map
+
+import moeflux_mlx
+from moeflux_mlx.model.switch import _OPS
+from tests.support import synth
+
 
 def test_public_names_survive_importing_every_submodule():
     """A submodule named like a public function would replace it on the package once imported
@@ -31,3 +40,57 @@ def test_public_names_survive_importing_every_submodule():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A quantized (4-bit, bf16 scales) and an unquantized (bf16) tiny checkpoint."""
+    root = tmp_path_factory.mktemp("api")
+    return {
+        "quantized": synth.build_checkpoint(root / "q", "qwen3_moe", "tiny", seed=1),
+        "unquantized": synth.build_checkpoint(
+            root / "u", "qwen3_moe", "tiny", seed=1, quantize=False
+        ),
+    }
+
+
+def _cast_all(model, dtype):
+    """mlx-lm's model tests' way: every parameter through ``model.update``."""
+    model.update(tree_map(lambda p: p.astype(dtype), model.parameters()))
+
+
+@pytest.mark.parametrize(
+    "kind, dtype, how",
+    [
+        ("quantized", mx.float16, "set_dtype"),
+        ("quantized", mx.float32, "set_dtype"),
+        # the CPU's gather_mm computes float32 only: bf16 unquantized experts run there once cast
+        ("unquantized", mx.float32, "set_dtype"),
+        ("unquantized", mx.float32, "update"),
+    ],
+)
+def test_a_dtype_set_on_the_model_reaches_the_streamed_experts(checkpoints, kind, dtype, how):
+    src = checkpoints[kind]
+    stock, tokenizer = mlx_lm.load(str(src))
+    ours, _ = moeflux_mlx.load(src, backend="ops")
+    for model in (stock, ours):
+        model.set_dtype(dtype) if how == "set_dtype" else _cast_all(model, dtype)
+    # one token (the experts it names are cast) and a long prompt (the whole pool is cast)
+    for prompt in ([5], tokenizer.encode(" ".join(["the quick brown fox"] * 12))):
+        want, got = stock(mx.array([prompt])), ours(mx.array([prompt]))
+        assert got.dtype == want.dtype == dtype
+        assert mx.array_equal(got, want).item()
+    layers = len(ours.moeflux.layout.layers)
+    assert moeflux_mlx.stats(ours)["served"] == {f"ops (fallback: {_OPS.why})": 2 * layers}
+    ours.moeflux.close()
+
+
+def test_the_files_dtype_computes_as_before(checkpoints):
+    ours, _ = moeflux_mlx.load(checkpoints["quantized"], backend="ops")
+    with ours.moeflux:
+        assert ours(mx.array([[5]])).dtype == mx.bfloat16
+        assert moeflux_mlx.stats(ours)["served"] == {"ops": len(ours.moeflux.layout.layers)}
+        # the markers hold no element: nothing is added to the model's size
+        flat = dict(tree_flatten(ours.parameters()))
+        markers = [k for k in flat if ".expert_dtypes." in k]
+        assert markers and all(flat[k].size == 0 for k in markers)

@@ -52,10 +52,15 @@ def _check_shapes(switch: nn.Module, layout: ExpertLayout, where: str) -> None:
 
 
 def _replace_switch_modules(
-    model: nn.Module, runtime: StreamingRuntime, config: Optional[dict] = None, where: object = ""
+    model: nn.Module,
+    runtime: StreamingRuntime,
+    config: Optional[dict] = None,
+    where: object = "",
+    track_dtypes: bool = True,
 ) -> None:
     """Swap every routed-experts module of ``model`` for a ``StreamingSwitchGLU`` reading the
-    experts ``runtime`` streams; the two sets of modules must be the same."""
+    experts ``runtime`` streams; the two sets of modules must be the same. ``track_dtypes``:
+    give them their dtype markers now (not before mlx-lm loads the weights: ``_track_dtypes``)."""
     if any(isinstance(m, StreamingSwitchGLU) for _, m in model.named_modules()):
         raise CheckpointError(f"{where or 'the model'}: the model is already patched")
     experts = find_experts(model)
@@ -75,6 +80,8 @@ def _replace_switch_modules(
         switch = found.module
         _check_shapes(switch, runtime.layout.layers[layer], where_layer)
         streaming = StreamingSwitchGLU(layer, runtime, switch.activation)
+        if track_dtypes:
+            streaming.track_dtypes()
         for name, extra in found.extras.items():  # e.g. a norm the model hangs on the module
             setattr(streaming, name, extra)
         parent_path, name = path.rsplit(".", 1)
@@ -84,6 +91,12 @@ def _replace_switch_modules(
         raise CheckpointError(
             f"the model has experts at {left} but the checkpoint has none for them"
         )
+
+
+def _track_dtypes(model: nn.Module) -> None:
+    for _, m in model.named_modules():
+        if isinstance(m, StreamingSwitchGLU):
+            m.track_dtypes()
 
 
 def _expert_keys_dropper(sanitize, module_paths, where: object):
@@ -245,7 +258,7 @@ def load(
 
         def build(args):
             model = model_class(args)
-            _replace_switch_modules(model, runtime, config, path)
+            _replace_switch_modules(model, runtime, config, path, track_dtypes=False)
             model.sanitize = _expert_keys_dropper(
                 getattr(model, "sanitize", None), runtime.layout.module_paths.values(), path
             )
@@ -257,6 +270,7 @@ def load(
         model, config = load_model(
             path, lazy=lazy, model_config=model_config, get_model_classes=get_classes
         )
+        _track_dtypes(model)
         # the random initial weights of the replaced experts were never evaluated; evaluate the
         # global key so it does not keep their lazy graph (about 75 KB per load) alive
         mx.eval(mx.random.state)
