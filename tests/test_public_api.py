@@ -1,6 +1,9 @@
 """A streamed model is an mlx-lm model in every way a user touches: the package's public names,
 dtypes, copies, and where a model comes from."""
 
+import copy
+import gc
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -9,6 +12,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx.utils import tree_flatten, tree_map
+from mlx_lm.generate import generate_step
 
 import moeflux_mlx
 from moeflux_mlx.model.switch import _OPS
@@ -94,3 +98,31 @@ def test_the_files_dtype_computes_as_before(checkpoints):
         flat = dict(tree_flatten(ours.parameters()))
         markers = [k for k in flat if ".expert_dtypes." in k]
         assert markers and all(flat[k].size == 0 for k in markers)
+
+
+def _greedy(model, tokenizer, n=12):
+    prompt = mx.array(tokenizer.encode("the quick brown fox"))
+    return [int(t) for (t, _), _ in zip(generate_step(prompt, model, max_tokens=n), range(n))]
+
+
+def test_a_deep_copy_shares_the_runtime_and_generates_the_same(checkpoints):
+    model, tokenizer = moeflux_mlx.load(checkpoints["quantized"], backend="ops")
+    want = _greedy(model, tokenizer)
+    twin = copy.deepcopy(model)
+    assert twin.moeflux is model.moeflux and twin is not model
+    assert twin.model.embed_tokens is not model.model.embed_tokens  # dense weights copied
+    del model
+    gc.collect()  # the runtime stays open while a copy lives
+    assert _greedy(twin, tokenizer) == want
+    runtime = twin.moeflux
+    del twin
+    gc.collect()
+    assert runtime.closed  # closed with the last copy
+
+
+def test_pickling_a_streamed_model_says_what_to_do_instead(checkpoints):
+    model, _ = moeflux_mlx.load(checkpoints["quantized"], backend="ops")
+    with model.moeflux:
+        for obj in (model, model.moeflux):
+            with pytest.raises(TypeError, match=r"cannot be pickled.*moeflux_mlx\.load\(path\)"):
+                pickle.dumps(obj)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import weakref
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -230,7 +229,10 @@ def load(
 
     Returns:
         ``(model, tokenizer)`` like ``mlx_lm.load``; ``model.moeflux`` is the runtime
-        (``stats_dict()``, ``reset_stats()``, ``close()``, or ``with model.moeflux: ...``).
+        (``stats_dict()``, ``reset_stats()``, ``close()``, or ``with model.moeflux: ...``),
+        closed when the model and its copies are collected. ``model.set_dtype`` reaches the
+        streamed experts as it reaches stock's; ``copy.deepcopy(model)`` copies the dense
+        weights and shares the runtime; pickling the model raises ``TypeError``.
 
     Raises:
         CheckpointError: not a usable MoE checkpoint (not MoE, missing shards, damaged headers,
@@ -281,7 +283,7 @@ def load(
         runtime.close()
         raise
     model.moeflux = runtime
-    weakref.finalize(model, runtime.close)  # e.g. mlx-lm's server dropping a model it swapped out
+    runtime.close_with(model)
     return model, tokenizer
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import weakref
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -300,5 +299,5 @@ def sharded_load(
         full.total_expert_bytes / 1e6,
     )
     model.moeflux = runtime
-    weakref.finalize(model, runtime.close)
+    runtime.close_with(model)
     return model, tokenizer
