@@ -3,7 +3,9 @@ dtypes, copies, and where a model comes from."""
 
 import copy
 import gc
+import os
 import pickle
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -11,10 +13,12 @@ import textwrap
 import mlx.core as mx
 import mlx_lm
 import pytest
+from huggingface_hub import constants as hf_constants
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.generate import generate_step
 
 import moeflux_mlx
+from moeflux_mlx.format.convert import convert
 from moeflux_mlx.model.switch import _OPS
 from tests.support import synth
 
@@ -126,3 +130,77 @@ def test_pickling_a_streamed_model_says_what_to_do_instead(checkpoints):
         for obj in (model, model.moeflux):
             with pytest.raises(TypeError, match=r"cannot be pickled.*moeflux_mlx\.load\(path\)"):
                 pickle.dumps(obj)
+
+
+HASH = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory, checkpoints):
+    """An offline Hugging Face cache holding ``org/tiny-moe`` (main) and ``org/tiny-packed``
+    (a converted one), laid out as huggingface_hub lays it out."""
+    cache = tmp_path_factory.mktemp("hf") / "hub"
+    for name, src in (
+        ("tiny-moe", checkpoints["quantized"]),
+        ("tiny-packed", convert(checkpoints["quantized"], cache.parent / "p", progress=False)),
+    ):
+        repo = cache / f"models--org--{name}"
+        shutil.copytree(src, repo / "snapshots" / HASH)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(HASH)
+    return cache
+
+
+@pytest.fixture
+def offline_hub(hub_cache, monkeypatch):
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(hub_cache))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    return hub_cache
+
+
+def test_a_repo_id_loads_from_the_hub_cache_as_mlx_lm_finds_it(offline_hub, checkpoints):
+    stock, tokenizer = mlx_lm.load("org/tiny-moe")
+    want = stock(mx.array([[5, 6]]))
+    for kwargs in ({}, {"revision": "main"}, {"revision": HASH}):
+        model, _ = moeflux_mlx.load("org/tiny-moe", backend="ops", **kwargs)
+        with model.moeflux:
+            assert mx.array_equal(model(mx.array([[5, 6]])), want).item()
+    packed, _ = moeflux_mlx.load("org/tiny-packed", backend="ops")  # packed_experts/ fetched too
+    with packed.moeflux:
+        assert mx.array_equal(packed(mx.array([[5, 6]])), want).item()
+    lazy, _ = mlx_lm.load("org/tiny-moe", lazy=True)
+    with moeflux_mlx.patch_model(lazy, "org/tiny-packed", backend="ops").moeflux:
+        assert mx.array_equal(lazy(mx.array([[5, 6]])), want).item()
+
+
+@pytest.mark.parametrize(
+    "call, why",
+    [
+        (lambda: moeflux_mlx.load("org/no-such-model"), r"org/no-such-model: not a local"),
+        (lambda: moeflux_mlx.load("org/tiny-moe", revision="v9"), r"at revision v9"),
+        (lambda: moeflux_mlx.load("/no/such/dir"), r"^/no/such/dir: no such directory$"),
+        (lambda: moeflux_mlx.sharded_load("org/no-such-model"), r"org/no-such-model: not a"),
+        (lambda: moeflux_mlx.patch_model(None, "org/no-such-model"), r"org/no-such-model: not"),
+    ],
+)
+def test_a_missing_model_is_one_checkpoint_error_line(offline_hub, call, why):
+    with pytest.raises(moeflux_mlx.CheckpointError, match=why) as e:
+        call()
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("command", ["info", "doctor --no-bench", "convert"])
+def test_every_command_takes_a_repo_id(hub_cache, tmp_path, command):
+    argv = [*command.split(), "org/tiny-moe"] + (
+        [str(tmp_path / "out")] if command == "convert" else []
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(hub_cache), PYTHONPATH=".")
+    out = subprocess.run(
+        [sys.executable, "-m", "moeflux_mlx.cli", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "models--org--tiny-moe" in out.stdout

@@ -27,6 +27,7 @@ from ..io.store import open_store
 from ..options import Budget, LoadOptions
 from .experts import find_experts, model_classes, no_experts_error
 from .runtime import StreamingRuntime
+from .source import resolve_model_path
 from .switch import StreamingSwitchGLU
 
 log = logging.getLogger(__name__)
@@ -163,7 +164,8 @@ def patch_model(
     Args:
         model: an mlx-lm model built by the user, e.g. ``mlx_lm.load(path, lazy=True)[0]`` (the
             experts' weights are then never read).
-        source: a converted directory or the plain mlx-lm checkpoint the experts are read from.
+        source: a converted directory or the plain mlx-lm checkpoint the experts are read from,
+            or its Hugging Face repo id (``model.source.resolve_model_path``).
         expert_io, backend, cache_budget, eviction, pin_experts: see ``LoadOptions``
             (None: from ``options``, else the ``MOEFLUX_*`` variables, else the default).
         options: all of them at once.
@@ -187,7 +189,7 @@ def patch_model(
             pin_experts=pin_experts,
         ),
     )
-    runtime = _make_runtime(source, opts)
+    runtime = _make_runtime(resolve_model_path(source), opts)
     try:
         _replace_switch_modules(model, runtime, where=source)
     except Exception:
@@ -209,11 +211,13 @@ def load(
     tokenizer_config: Optional[dict] = None,
     options: Optional[LoadOptions] = None,
     lazy: bool = False,
+    revision: Optional[str] = None,
 ) -> Tuple[nn.Module, object]:
     """Load a converted directory or a plain mlx-lm checkpoint with experts streamed from disk.
 
     Args:
-        path: the model directory (``~`` is expanded).
+        path: the model directory (``~`` is expanded), or a Hugging Face repo id, found in the
+            hub cache or downloaded as ``mlx_lm.load`` does (``model.source``).
         expert_io: ``auto`` (the RAM gate), ``mmap``, ``pread`` or ``direct`` (uncached).
         backend: ``auto``, ``ops``, ``metal`` or ``cuda``.
         cache_budget: MLX memory for resident experts: a size (``"8GB"``, an int of bytes), a
@@ -225,6 +229,7 @@ def load(
             in RAM, instead of a helper process reading them (default: off).
         model_config, tokenizer_config: as for ``mlx_lm.load``.
         lazy: as for ``mlx_lm.load``: the dense weights are read when first used, not now.
+        revision: as for ``mlx_lm.load``: the repo's branch, tag or commit.
         options: every load option at once (``LoadOptions``); keyword arguments given override it.
 
     Returns:
@@ -235,14 +240,15 @@ def load(
         weights and shares the runtime; pickling the model raises ``TypeError``.
 
     Raises:
-        CheckpointError: not a usable MoE checkpoint (not MoE, missing shards, damaged headers,
+        CheckpointError: no such directory or repo, or not a usable MoE checkpoint (not MoE,
+            missing shards, damaged headers,
             a converted directory that does not match its config: ``LayoutError``).
         ExpertFileError: an expert file is missing, unreadable or of the wrong size.
         ValueError: a bad option (budget, backend).
         DeviceSetupError: ``pin_experts`` could not page-lock the expert files (too large for
             RAM, or refused by CUDA).
     """
-    path = Path(path).expanduser()
+    path = resolve_model_path(path, revision)
     opts = _options(
         options,
         dict(
