@@ -204,3 +204,15 @@ def test_every_command_takes_a_repo_id(hub_cache, tmp_path, command):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "models--org--tiny-moe" in out.stdout
+
+
+def test_info_shows_a_budget_larger_than_the_experts_as_their_size():
+    out = subprocess.run(
+        [sys.executable, "-m", "moeflux_mlx.cli", "info", "--cache-budget", "2TB"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH="."),
+        timeout=300,
+    )
+    line = next(x for x in out.stdout.splitlines() if x.startswith("expert cache"))
+    assert "28.31 MB of MLX memory" in line and "0 TB" not in line, line
