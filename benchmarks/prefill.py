@@ -110,7 +110,7 @@ def first_token(model, prompt, step: int) -> tuple:
     return t_token, time.perf_counter() - t0, tok, passes
 
 
-# where a prefill's time goes, from each layer's counters (``moeflux_mlx.stats.LayerStats``):
+# where a prefill's time goes, from each layer's counters (``moeflux_mlx.counters.LayerStats``):
 # (key, column) of the times, then of the counts
 TIMES = (
     ("io_s", "read wait s"),

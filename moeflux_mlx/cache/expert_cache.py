@@ -24,8 +24,8 @@ from typing import Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
+from ..counters import LayerStats, Stats
 from ..io.store import ExpertStore
-from ..stats import LayerStats, Stats
 from .pool import DeviceStaging, ExpertPool
 from .protocol import Compute, SlotTable
 from .slots import SlotCache

@@ -18,8 +18,8 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
+from ..counters import LayerStats
 from ..format.layout import ExpertLayout, Quantization
-from ..stats import LayerStats
 
 MX_DTYPES = {
     "U8": mx.uint8,

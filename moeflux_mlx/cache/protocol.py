@@ -9,7 +9,7 @@ from typing import Callable, Dict, List, Protocol, Tuple, Union
 import mlx.core as mx
 import numpy as np
 
-from ..stats import LayerStats, Stats
+from ..counters import LayerStats, Stats
 from .pool import ExpertPool, SlotPool
 
 

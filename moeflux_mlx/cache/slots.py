@@ -25,9 +25,9 @@ from typing import Callable, Dict, Optional, Tuple, Type
 import mlx.core as mx
 import numpy as np
 
+from ..counters import LayerStats
 from ..format.layout import ModelLayout
 from ..io.store import ExpertStore
-from ..stats import LayerStats
 from .policy import EvictionPolicy
 from .pool import (
     STAGING_KEEP_BYTES,

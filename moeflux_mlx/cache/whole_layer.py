@@ -43,9 +43,9 @@ import mlx.core as mx
 import numpy as np
 import psutil
 
+from ..counters import LayerStats
 from ..format.layout import ExpertLayout
 from ..io.store import ExpertStore
-from ..stats import LayerStats
 from .pool import MX_DTYPES, STAGING_KEEP_BYTES, DeviceStaging, ExpertPool, host_view
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,6 @@ import argparse
 import logging
 import math
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -31,13 +30,13 @@ from mlx_lm.generate import (
     generation_stream,
 )
 from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
-from mlx_lm.utils import _download
 
 from .. import demo_model
-from ..errors import CheckpointError, MoefluxError
+from ..errors import MoefluxError
 from ..model.load import load
 from ..model.lookup_decoding import DEFAULT_NGRAM_MAX, LookupStats
 from ..model.sharded import sharded_load
+from ..model.source import resolve_model_path
 from ..options import (
     BACKENDS,
     BINARY_UNITS,
@@ -532,11 +531,9 @@ def user_cache_dir() -> Path:
     return Path(base).expanduser() / "moeflux-mlx"
 
 
-_HUB_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
 def resolve_model(model: Optional[str]) -> Path:
-    """The directory for ``--model``: the built-in demo model for None, a download for a repo id."""
+    """The directory for ``--model``: the built-in demo model for None, else a directory or a
+    repo id as ``moeflux_mlx.load`` resolves it (``model.source``)."""
     if model is None:
         path = demo_model.checkpoint_path()
         say(
@@ -544,20 +541,7 @@ def resolve_model(model: Optional[str]) -> Path:
             f"moeflux-mlx, 64 experts a layer, 4-bit) in {path}"
         )
         return path
-    path = Path(model).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise CheckpointError(f"{model}: not a directory (give the model's directory)")
-        return path
-    if not _HUB_REPO.fullmatch(model):
-        raise CheckpointError(f"{model}: no such directory")
-    try:
-        return _download(model)
-    except Exception as e:  # the hub client raises many types; all mean "could not get it"
-        raise CheckpointError(
-            f"{model}: not a local directory, and fetching it from the "
-            f"Hugging Face Hub failed ({type(e).__name__}: {e})"
-        ) from e
+    return resolve_model_path(model)
 
 
 def load_model(

@@ -17,6 +17,7 @@ from typing import Optional
 
 from ..format.checkpoint import packed_layout
 from ..format.convert import convert, verify_conversion
+from ..model.source import resolve_model_path
 from .common import EXIT_INTERRUPTED, command_parser, fmt_bytes, main_for, say
 
 DESCRIPTION = (
@@ -27,7 +28,7 @@ DESCRIPTION = (
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    src, dst = Path(args.src).expanduser(), Path(args.dst).expanduser()
+    src, dst = resolve_model_path(args.src), Path(args.dst).expanduser()
     work = dst.with_name(dst.name + ".partial")
     # convert() returns an existing DST only when it is a finished conversion of SRC
     finished = dst.is_dir() and any(dst.iterdir())

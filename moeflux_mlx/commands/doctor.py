@@ -46,6 +46,7 @@ from ..io.bandwidth import read_bandwidth
 from ..io.store import RAM_FRACTION, select_expert_io
 from ..model.load import load
 from ..model.runtime import machine_choices
+from ..model.source import resolve_model_path
 from ..options import DEFAULT_RAM_FRACTION, LoadOptions, parse_budget
 from .common import (
     MACHINE_HEADING,
@@ -441,7 +442,7 @@ def describe(model: Optional[Path], given: dict, bench: bool = True) -> List[Tup
 
 
 def run(args: argparse.Namespace) -> int:
-    path = Path(args.model_path).expanduser() if args.model_path else None
+    path = resolve_model_path(args.model_path) if args.model_path else None
     rows = describe(path, load_kwargs(args), bench=not args.no_bench)
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

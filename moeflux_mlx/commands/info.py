@@ -186,8 +186,13 @@ def describe(path: Path, given: Optional[dict] = None) -> list:
         given_as = "default"
     else:
         given_as = f"--cache-budget {fmt_budget(options.cache_budget, total)}"
+    # a budget over the experts holds them all: their size, in the budget's unit only when that
+    # does not round it away (2 TB for 28 MB of experts)
+    shown = fmt_bytes(min(budget, total), unit)
+    if budget > total and float(shown.split()[0]) * 100 < 1:
+        shown = fmt_bytes(total)
     cache = (
-        f"{fmt_bytes(min(budget, total), unit)} of MLX memory for resident experts "
+        f"{shown} of MLX memory for resident experts "
         f"({100 * min(budget, total) / max(total, 1):.0f}% of them; {given_as})"
     )
     by_layer: Sequence[object]

@@ -9,6 +9,8 @@ global scale runs on the GPU only, in MLX as in this backend).
 
 from __future__ import annotations
 
+from typing import Dict, Tuple
+
 import mlx.core as mx
 from mlx_lm.models.switch_layers import SwiGLU, _gather_sort, _scatter_unsort
 
@@ -70,6 +72,28 @@ class OpsBackend:
         if do_sort:
             x = _scatter_unsort(x, inv_order, slots.shape)
         return x.squeeze(-2)
+
+
+def cast_experts(
+    pool: ExpertPool, slots: mx.array, dtypes: Dict[str, mx.Dtype]
+) -> Tuple[ExpertPool, mx.array]:
+    """``pool`` with the components ``dtypes`` names cast to those dtypes, and ``slots`` to match:
+    what stock computes with once ``set_dtype`` has cast its expert weights. A call naming fewer
+    experts than the pool holds (decode) casts only those (gathered in call order, computed
+    unsorted as before); a larger one casts the whole pool. Lazy, like the computation."""
+    if pool.in_place is not None:  # slots may name experts outside the pool
+        pool, slots = pool.in_place.gathered(pool, slots)
+    n_slots = next(iter(pool.arrays.values())).shape[0]
+    gather = slots.size < min(SORT_THRESHOLD, n_slots)
+    flat = slots.flatten()
+    arrays = {}
+    for name, arr in pool.arrays.items():
+        if gather:
+            arr = arr[flat]
+        arrays[name] = arr.astype(dtypes[name]) if name in dtypes else arr
+    if gather:
+        slots = mx.arange(slots.size, dtype=mx.uint32).reshape(slots.shape)
+    return ExpertPool(arrays, pool.quantization, pool.overrides), slots
 
 
 def is_plain_swiglu(activation) -> bool:

@@ -17,9 +17,9 @@ from typing import Dict, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
+from ..counters import LayerStats
 from ..errors import DeviceWaitError, ExpertReadError
 from ..io.store import ExpertStore
-from ..stats import LayerStats
 from .control_block import (
     HOST_OBSERVE,
     OBSERVE_WORDS,

@@ -35,10 +35,10 @@ import numpy as np
 from ..cache.pool import ExpertPool, InPlaceExperts, SlotPool, write_blobs
 from ..cache.protocol import WHOLE_PASS, PassPlan
 from ..cache.slots import SlotCache
+from ..counters import LayerStats, Stats
 from ..format.layout import ModelLayout
 from ..io.store import ExpertStore
 from ..options import LoadOptions
-from ..stats import LayerStats, Stats
 from . import layer_copy, table_kernels
 from .control_block import HOST_ADMIT, HOST_RELEASE, MAX_SELECTIONS, ControlBlock, TableLayer
 from .miss_client import MissServer

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import weakref
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -28,6 +27,7 @@ from ..io.store import open_store
 from ..options import Budget, LoadOptions
 from .experts import find_experts, model_classes, no_experts_error
 from .runtime import StreamingRuntime, prefill_step
+from .source import resolve_model_path
 from .switch import StreamingSwitchGLU
 
 log = logging.getLogger(__name__)
@@ -52,10 +52,15 @@ def _check_shapes(switch: nn.Module, layout: ExpertLayout, where: str) -> None:
 
 
 def _replace_switch_modules(
-    model: nn.Module, runtime: StreamingRuntime, config: Optional[dict] = None, where: object = ""
+    model: nn.Module,
+    runtime: StreamingRuntime,
+    config: Optional[dict] = None,
+    where: object = "",
+    track_dtypes: bool = True,
 ) -> None:
     """Swap every routed-experts module of ``model`` for a ``StreamingSwitchGLU`` reading the
-    experts ``runtime`` streams; the two sets of modules must be the same."""
+    experts ``runtime`` streams; the two sets of modules must be the same. ``track_dtypes``:
+    give them their dtype markers now (not before mlx-lm loads the weights: ``_track_dtypes``)."""
     if any(isinstance(m, StreamingSwitchGLU) for _, m in model.named_modules()):
         raise CheckpointError(f"{where or 'the model'}: the model is already patched")
     experts = find_experts(model)
@@ -75,6 +80,8 @@ def _replace_switch_modules(
         switch = found.module
         _check_shapes(switch, runtime.layout.layers[layer], where_layer)
         streaming = StreamingSwitchGLU(layer, runtime, switch.activation)
+        if track_dtypes:
+            streaming.track_dtypes()
         for name, extra in found.extras.items():  # e.g. a norm the model hangs on the module
             setattr(streaming, name, extra)
         parent_path, name = path.rsplit(".", 1)
@@ -84,6 +91,12 @@ def _replace_switch_modules(
         raise CheckpointError(
             f"the model has experts at {left} but the checkpoint has none for them"
         )
+
+
+def _track_dtypes(model: nn.Module) -> None:
+    for _, m in model.named_modules():
+        if isinstance(m, StreamingSwitchGLU):
+            m.track_dtypes()
 
 
 def _expert_keys_dropper(sanitize, module_paths, where: object):
@@ -151,7 +164,8 @@ def patch_model(
     Args:
         model: an mlx-lm model built by the user, e.g. ``mlx_lm.load(path, lazy=True)[0]`` (the
             experts' weights are then never read).
-        source: a converted directory or the plain mlx-lm checkpoint the experts are read from.
+        source: a converted directory or the plain mlx-lm checkpoint the experts are read from,
+            or its Hugging Face repo id (``model.source.resolve_model_path``).
         expert_io, backend, cache_budget, eviction, pin_experts: see ``LoadOptions``
             (None: from ``options``, else the ``MOEFLUX_*`` variables, else the default).
         options: all of them at once.
@@ -175,7 +189,7 @@ def patch_model(
             pin_experts=pin_experts,
         ),
     )
-    runtime = _make_runtime(source, opts)
+    runtime = _make_runtime(resolve_model_path(source), opts)
     try:
         _replace_switch_modules(model, runtime, where=source)
         runtime.prefill_step_size = prefill_step(model, runtime)
@@ -198,11 +212,13 @@ def load(
     tokenizer_config: Optional[dict] = None,
     options: Optional[LoadOptions] = None,
     lazy: bool = False,
+    revision: Optional[str] = None,
 ) -> Tuple[nn.Module, object]:
     """Load a converted directory or a plain mlx-lm checkpoint with experts streamed from disk.
 
     Args:
-        path: the model directory (``~`` is expanded).
+        path: the model directory (``~`` is expanded), or a Hugging Face repo id, found in the
+            hub cache or downloaded as ``mlx_lm.load`` does (``model.source``).
         expert_io: ``auto`` (the RAM gate), ``mmap``, ``pread`` or ``direct`` (uncached).
         backend: ``auto``, ``ops``, ``metal`` or ``cuda``.
         cache_budget: MLX memory for resident experts: a size (``"8GB"``, an int of bytes), a
@@ -214,21 +230,26 @@ def load(
             in RAM, instead of a helper process reading them (default: off).
         model_config, tokenizer_config: as for ``mlx_lm.load``.
         lazy: as for ``mlx_lm.load``: the dense weights are read when first used, not now.
+        revision: as for ``mlx_lm.load``: the repo's branch, tag or commit.
         options: every load option at once (``LoadOptions``); keyword arguments given override it.
 
     Returns:
         ``(model, tokenizer)`` like ``mlx_lm.load``; ``model.moeflux`` is the runtime
-        (``stats_dict()``, ``reset_stats()``, ``close()``, or ``with model.moeflux: ...``).
+        (``stats_dict()``, ``reset_stats()``, ``close()``, or ``with model.moeflux: ...``),
+        closed when the model and its copies are collected. ``model.set_dtype`` reaches the
+        streamed experts as it reaches stock's; ``copy.deepcopy(model)`` copies the dense
+        weights and shares the runtime; pickling the model raises ``TypeError``.
 
     Raises:
-        CheckpointError: not a usable MoE checkpoint (not MoE, missing shards, damaged headers,
+        CheckpointError: no such directory or repo, or not a usable MoE checkpoint (not MoE,
+            missing shards, damaged headers,
             a converted directory that does not match its config: ``LayoutError``).
         ExpertFileError: an expert file is missing, unreadable or of the wrong size.
         ValueError: a bad option (budget, backend).
         DeviceSetupError: ``pin_experts`` could not page-lock the expert files (too large for
             RAM, or refused by CUDA).
     """
-    path = Path(path).expanduser()
+    path = resolve_model_path(path, revision)
     opts = _options(
         options,
         dict(
@@ -246,7 +267,7 @@ def load(
 
         def build(args):
             model = model_class(args)
-            _replace_switch_modules(model, runtime, config, path)
+            _replace_switch_modules(model, runtime, config, path, track_dtypes=False)
             model.sanitize = _expert_keys_dropper(
                 getattr(model, "sanitize", None), runtime.layout.module_paths.values(), path
             )
@@ -259,6 +280,7 @@ def load(
             path, lazy=lazy, model_config=model_config, get_model_classes=get_classes
         )
         runtime.prefill_step_size = prefill_step(model, runtime)
+        _track_dtypes(model)
         # the random initial weights of the replaced experts were never evaluated; evaluate the
         # global key so it does not keep their lazy graph (about 75 KB per load) alive
         mx.eval(mx.random.state)
@@ -269,7 +291,7 @@ def load(
         runtime.close()
         raise
     model.moeflux = runtime
-    weakref.finalize(model, runtime.close)  # e.g. mlx-lm's server dropping a model it swapped out
+    runtime.close_with(model)
     return model, tokenizer
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
@@ -26,6 +27,7 @@ from ..compute.backend import (
     served_summary,
 )
 from ..compute.kernels import MAX_TOKENS, ExpertSpec, KernelBackend
+from ..counters import Stats
 from ..cuda import layer_copy
 from ..cuda import runtime as cuda_runtime
 from ..cuda.table_cache import DeviceTable, table_layers
@@ -33,7 +35,6 @@ from ..errors import ModelClosedError
 from ..format.layout import ModelLayout
 from ..io.store import ExpertStore
 from ..options import LoadOptions, Tuning, parse_budget
-from ..stats import Stats
 
 log = logging.getLogger(__name__)
 
@@ -189,11 +190,34 @@ def make_cache(store: ExpertStore, layout: ModelLayout, options: LoadOptions) ->
     return ExpertCache(store, slots, whole, table, staging)
 
 
+NOT_PICKLED = (
+    "a model whose experts stream from disk cannot be pickled: its runtime (model.moeflux) "
+    "holds open expert files, threads and the expert cache; in the other process, load it "
+    "again with moeflux_mlx.load(path)"
+)
+
+
+class _Lifetime:
+    """Held by a model and every copy of it (``copy.deepcopy`` shares it); its runtime closes
+    when the last of them is collected (``StreamingRuntime.close_with``)."""
+
+    __slots__ = ("__weakref__",)
+
+    def __deepcopy__(self, memo) -> _Lifetime:
+        return self
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(NOT_PICKLED)
+
+
 class StreamingRuntime:
     """What the streaming modules of one model share: store, cache, backend and counters.
 
     Reached as ``model.moeflux``; ``close()`` (or ``with``) releases files, maps, threads and
-    the miss server."""
+    the miss server. ``copy.deepcopy(model)`` copies the dense weights and shares this runtime
+    (one store, one expert cache, one set of counters: use the copies from one thread at a
+    time; closing it closes it for all). Pickling raises ``TypeError``: an open runtime cannot
+    travel; load the model again where it is needed."""
 
     def __init__(self, store: ExpertStore, layout: ModelLayout, options: LoadOptions):
         self.store, self.layout, self.options = store, layout, options
@@ -288,6 +312,18 @@ class StreamingRuntime:
                 self.store.close()
             finally:
                 self.wiring.close()
+
+    def close_with(self, model) -> None:
+        """Close when ``model`` and every deep copy of it are collected (e.g. mlx-lm's server
+        dropping a model it swapped out)."""
+        lifetime = model._moeflux_lifetime = _Lifetime()
+        weakref.finalize(lifetime, self.close)
+
+    def __deepcopy__(self, memo) -> StreamingRuntime:
+        return self  # the files, threads and cache are shared, not copied
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(NOT_PICKLED)
 
     def __enter__(self):
         return self

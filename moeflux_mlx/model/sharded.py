@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import weakref
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -38,6 +37,7 @@ from ..options import LoadOptions
 from .experts import ExpertModule, find_experts, model_classes
 from .load import _expert_keys_dropper, _options, _replace_switch_modules
 from .runtime import StreamingRuntime, prefill_step
+from .source import resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -204,8 +204,9 @@ def sharded_load(
     this share's experts read.
 
     Args:
-        path: a converted directory or a plain mlx-lm checkpoint (``~`` is expanded); every
-            process reads its own copy (on its own machine) or a shared one.
+        path: a converted directory or a plain mlx-lm checkpoint (``~`` is expanded), or a
+            Hugging Face repo id (``model.source``); every process reads its own copy (on its
+            own machine) or a shared one.
         pipeline_group: split the layers over this group (``model.model.pipeline``): each
             process opens and caches only the experts of its own layers.
         tensor_group: split every layer over this group (``model.shard``): each process reads
@@ -228,7 +229,7 @@ def sharded_load(
         ExpertFileError: an expert file is missing, unreadable or of the wrong size.
         OptionError: a bad option; TypeError: an unknown one.
     """
-    path = Path(path).expanduser()
+    path = resolve_model_path(path)
     opts = _options(options, load_options)
     full = expert_layout(path)
     model, config = _load_lazily(path, full, model_config)
@@ -301,5 +302,5 @@ def sharded_load(
         full.total_expert_bytes / 1e6,
     )
     model.moeflux = runtime
-    weakref.finalize(model, runtime.close)
+    runtime.close_with(model)
     return model, tokenizer

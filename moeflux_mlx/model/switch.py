@@ -7,24 +7,56 @@ computation (``compute``) to run on the slots it finds."""
 from __future__ import annotations
 
 import time
+from typing import Dict
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache.pool import ExpertPool
+from ..cache.pool import MX_DTYPES, ExpertPool
+from ..compute.ops import OpsBackend, cast_experts
+
+FLOATING = ("F16", "BF16", "F32")  # expert components whose dtype set_dtype changes in stock
+_OPS = OpsBackend("the expert weights are cast to the dtype set on the model")
 
 
 class StreamingSwitchGLU(nn.Module):
     """Computes what the replaced ``SwitchGLU`` computed, with experts streamed from disk.
 
-    It holds no parameters: the expert weights are not part of the model's state. ``runtime``:
-    the model's ``StreamingRuntime`` (cache, backend, counters)."""
+    The expert weights are not part of the model's state. Its only parameters, once
+    ``track_dtypes`` made them, are empty arrays (no element) in ``expert_dtypes``, one per
+    floating expert component (scales, biases, unquantized weights), of that component's
+    dtype: ``model.set_dtype`` and ``model.update`` cast them as they would cast stock's
+    ``SwitchGLU`` weights, and the experts are then computed with their components cast to
+    those dtypes (plain ops), as stock computes with its cast weights. ``runtime``: the model's
+    ``StreamingRuntime`` (cache, backend, counters)."""
 
     def __init__(self, layer: int, runtime, activation):
         super().__init__()
         self.layer = layer
         self.activation = activation
         self._runtime = runtime  # plain attribute, not a child module
+
+    def track_dtypes(self) -> None:
+        """Make the ``expert_dtypes`` markers (after the model's weights are loaded: mlx-lm's
+        strict load would call them missing weights)."""
+        markers: Dict[str, Dict[str, mx.array]] = {}
+        for c in self._runtime.layout.layers[self.layer].components:
+            if c.dtype in FLOATING:
+                proj, name = c.name.rsplit(".", 1)
+                markers.setdefault(proj, {})[name] = mx.zeros((0,), MX_DTYPES[c.dtype])
+        self.expert_dtypes = markers
+
+    def _cast_to(self, pool: ExpertPool) -> Dict[str, mx.Dtype]:
+        """The components whose dtype was set otherwise on the model than the files hold."""
+        if "expert_dtypes" not in self:
+            return {}
+        markers: Dict[str, Dict[str, mx.array]] = self["expert_dtypes"]
+        return {
+            f"{proj}.{name}": marker.dtype
+            for proj, arrays in markers.items()
+            for name, marker in arrays.items()
+            if pool.arrays[f"{proj}.{name}"].dtype != marker.dtype
+        }
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         rt = self._runtime
@@ -41,10 +73,16 @@ class StreamingSwitchGLU(nn.Module):
         """The expert computation on the slots the cache answered with (lazy)."""
         rt = self._runtime
         t0 = time.perf_counter()
-        backend = rt.backend
-        out = backend(x, slots, pool, self.activation)
+        cast = self._cast_to(pool)
+        if cast:
+            pool, slots = cast_experts(pool, slots, cast)
+            out = _OPS(x, slots, pool, self.activation)
+            name = f"ops (fallback: {_OPS.why})"
+        else:
+            backend = rt.backend
+            out = backend(x, slots, pool, self.activation)
+            name = getattr(backend, "last_served", None) or backend.name
         served = rt.stats.served_in(self.layer)  # what actually computed it (fallbacks included)
-        name = getattr(backend, "last_served", None) or backend.name
         served[name] = served.get(name, 0) + 1
         rt.stats.layer(self.layer).compute_s += time.perf_counter() - t0
         return out
