@@ -235,7 +235,7 @@ class DecayPolicy(_CountingPolicy):
     """The lowest use count decayed exponentially with a half-life of ``half_life`` calls."""
 
     name = "decay"
-    half_life = 32.0  # calls; the best compromise over the trained demo's traces (docs/routing.md)
+    half_life = 32.0  # calls; the best compromise over the trained demo's replayed routing
 
     def setup_scores(self, num_experts: int) -> None:
         self.at = np.zeros(num_experts, np.int64)  # the call each count was last brought up to
@@ -284,7 +284,7 @@ class TransitionPolicy(DecayPolicy):
     when read): ``num_experts ** 2`` float32 per layer, O(k x num_experts) per call."""
 
     name = "transition"
-    weight = 4.0  # both from the trained demo's replayed traces (docs/routing.md)
+    weight = 4.0  # both the best over the trained demo's replayed routing
     pair_half_life = 512.0
 
     def setup_scores(self, num_experts: int) -> None:

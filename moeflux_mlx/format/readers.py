@@ -31,8 +31,8 @@ Experts = Union[Sequence[int], np.ndarray]
 def advise_random_reads(fd: int, what: str) -> None:
     """Turn the kernel's readahead off for ``fd``. The pieces of one expert, read in parallel,
     look like a sequential stream to it, and it reads on past the expert: on a disk with 8 MiB
-    readahead, 3x the bytes and 2-3x the time per batch of misses through the store
-    (benchmarks/results/2026-11-23-cpu2-read-probe-advice.txt). Only a hint: failure is ignored."""
+    readahead, it read 3x the bytes and took 2-3x the time per batch of misses through the store.
+    Only a hint: failure is ignored."""
     try:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
