@@ -27,7 +27,7 @@ from ..io.store import open_store
 from ..options import Budget, LoadOptions
 from .experts import find_experts, model_classes, no_experts_error
 from .runtime import StreamingRuntime, prefill_step
-from .source import resolve_model_path
+from .source import require_tokenizer, resolve_model_path
 from .switch import StreamingSwitchGLU
 
 log = logging.getLogger(__name__)
@@ -243,7 +243,8 @@ def load(
     Raises:
         CheckpointError: no such directory or repo, or not a usable MoE checkpoint (not MoE,
             missing shards, damaged headers,
-            a converted directory that does not match its config: ``LayoutError``).
+            a converted directory that does not match its config: ``LayoutError``; no
+            tokenizer files: ``MissingTokenizerError``).
         ExpertFileError: an expert file is missing, unreadable or of the wrong size.
         ValueError: a bad option (budget, backend).
         DeviceSetupError: ``pin_experts`` could not page-lock the expert files (too large for
@@ -276,6 +277,7 @@ def load(
         return build, args_class
 
     try:
+        require_tokenizer(path, tokenizer_config)  # after the checkpoint's own checks
         model, config = load_model(
             path, lazy=lazy, model_config=model_config, get_model_classes=get_classes
         )

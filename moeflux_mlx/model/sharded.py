@@ -37,7 +37,7 @@ from ..options import LoadOptions
 from .experts import ExpertModule, find_experts, model_classes
 from .load import _expert_keys_dropper, _options, _replace_switch_modules
 from .runtime import StreamingRuntime, prefill_step
-from .source import resolve_model_path
+from .source import require_tokenizer, resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -225,13 +225,14 @@ def sharded_load(
         CheckpointError: not a usable MoE checkpoint, or a model that does not split the way
             asked (no ``shard`` / ``pipeline``, a cut streamed experts do not follow:
             ``LayoutError``, ``UnsupportedQuantizationError`` for a cut inside a quantization
-            group).
+            group); no tokenizer files: ``MissingTokenizerError``.
         ExpertFileError: an expert file is missing, unreadable or of the wrong size.
         OptionError: a bad option; TypeError: an unknown one.
     """
     path = resolve_model_path(path)
     opts = _options(options, load_options)
     full = expert_layout(path)
+    require_tokenizer(path, tokenizer_config)  # after the checkpoint's own checks
     model, config = _load_lazily(path, full, model_config)
     has_pipeline = hasattr(model, "model") and hasattr(model.model, "pipeline")
     has_shard = hasattr(model, "shard")
