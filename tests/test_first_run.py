@@ -51,3 +51,64 @@ def test_commands_without_tokenizer_say_so(no_tokenizer, command):
     assert "copy the tokenizer files" in line, line
     assert "prompt is empty" not in line and "please report it" not in line, line
     assert "Serving" not in r.stderr
+
+
+# --------------------------------------------------------------------------- a budget too small
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A plain tiny qwen3_moe checkpoint (2 MoE layers of 16 experts, top-k 4)."""
+    return synth.build_checkpoint(tmp_path_factory.mktemp("first-run") / "t", "qwen3_moe", "tiny")
+
+
+def _layout(path):
+    from moeflux_mlx.format.checkpoint import scan_checkpoint
+
+    return scan_checkpoint(path).layout
+
+
+def test_smallest_budget_is_the_least_that_holds_top_k(tiny):
+    from moeflux_mlx.cache.slots import slots_per_layer, smallest_budget, too_small
+
+    layout = _layout(tiny)
+    need = smallest_budget(layout, 4)
+    assert min(slots_per_layer(layout, need).values()) == 4
+    assert min(slots_per_layer(layout, need - 1).values()) == 3
+    assert too_small(layout, need, 4) is None and too_small(layout, 0, 4) is None
+    short = too_small(layout, need - 1, 4)
+    assert (short.fewest, short.most, short.top_k, short.at_least) == (3, 3, 4, need)
+
+
+def test_load_warns_once_when_the_budget_cannot_hold_one_token(tiny, caplog):
+    import mlx.core as mx
+
+    with caplog.at_level("WARNING", logger="moeflux_mlx"):
+        model, _ = moeflux_mlx.load(tiny, cache_budget="15% experts")
+    warned = [r.getMessage() for r in caplog.records if "top-k" in r.getMessage()]
+    assert len(warned) == 1 and "\n" not in warned[0], warned
+    assert warned[0].startswith("cache budget 15% experts (132.71 kB): ")
+    assert "2 slots per layer < top-k 4" in warned[0]
+    assert "behaves as 0" in warned[0] and "at least 221.18 kB" in warned[0]
+    # as the warning says: no call finds a slot; every one is staged (the cache is unchanged)
+    model(mx.array([[1, 2, 3]]))
+    rt = model.moeflux
+    assert rt.cache.slots.n_slots == {0: 2, 1: 2} and not rt.cache.slots.pools
+    rt.close()
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="moeflux_mlx"):
+        moeflux_mlx.load(tiny, cache_budget="25% experts")[0].moeflux.close()
+        moeflux_mlx.load(tiny, cache_budget=0)[0].moeflux.close()
+    assert not [r for r in caplog.records if "top-k" in r.getMessage()]
+
+
+def test_info_says_the_budget_behaves_as_zero(tiny):
+    from moeflux_mlx.commands import info
+
+    row = dict(info.describe(tiny, {"cache_budget": "110591B"}))["expert cache"]
+    assert "(12% of them" in row
+    assert "1 slot per layer < top-k 4: too small for one token's experts: behaves as 0" in row
+    assert row.endswith("at least 221184 B")
+    row = dict(info.describe(tiny, {"cache_budget": "221184B"}))["expert cache"]
+    assert "top-k" not in row

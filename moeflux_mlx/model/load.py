@@ -25,7 +25,7 @@ from ..format.checkpoint import EXPERT_KEY
 from ..format.layout import ExpertLayout
 from ..io.store import open_store
 from ..options import Budget, LoadOptions
-from .experts import find_experts, model_classes, no_experts_error
+from .experts import find_experts, model_classes, no_experts_error, top_k_of
 from .runtime import StreamingRuntime, prefill_step
 from .source import require_tokenizer, resolve_model_path
 from .switch import StreamingSwitchGLU
@@ -193,6 +193,7 @@ def patch_model(
     try:
         _replace_switch_modules(model, runtime, where=source)
         runtime.prefill_step_size = prefill_step(model, runtime)
+        runtime.warn_small_budget(top_k_of(model=model))
     except Exception:
         runtime.close()
         raise
@@ -282,6 +283,7 @@ def load(
             path, lazy=lazy, model_config=model_config, get_model_classes=get_classes
         )
         runtime.prefill_step_size = prefill_step(model, runtime)
+        runtime.warn_small_budget(top_k_of(config, model))
         _track_dtypes(model)
         # the random initial weights of the replaced experts were never evaluated; evaluate the
         # global key so it does not keep their lazy graph (about 75 KB per load) alive

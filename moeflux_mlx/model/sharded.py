@@ -34,7 +34,7 @@ from ..format.checkpoint import expert_layout
 from ..format.layout import ExpertLayout, ExpertShard, ModelLayout
 from ..io.store import open_store
 from ..options import LoadOptions
-from .experts import ExpertModule, find_experts, model_classes
+from .experts import ExpertModule, find_experts, model_classes, top_k_of
 from .load import _expert_keys_dropper, _options, _replace_switch_modules
 from .runtime import StreamingRuntime, prefill_step
 from .source import require_tokenizer, resolve_model_path
@@ -286,6 +286,7 @@ def sharded_load(
         if experts:  # a stage of dense layers only streams nothing
             _replace_switch_modules(model, runtime, config, path)
             runtime.prefill_step_size = prefill_step(model, runtime)
+            runtime.warn_small_budget(top_k_of(config, model))
         mx.eval(model.parameters(), mx.random.state)
         # as mlx-lm: every process has loaded before the first collective of a forward pass;
         # on the group's own stream (mlx-lm's stream=mx.cpu fails under MLX 0.32's NCCL)
