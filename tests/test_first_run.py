@@ -112,3 +112,58 @@ def test_info_says_the_budget_behaves_as_zero(tiny):
     assert row.endswith("at least 221184 B")
     row = dict(info.describe(tiny, {"cache_budget": "221184B"}))["expert cache"]
     assert "top-k" not in row
+
+
+# --------------------------------------------------------------------------- an honest hit rate
+
+
+def _calls(model, *token_rows):
+    import mlx.core as mx
+
+    for row in token_rows:
+        mx.eval(model(mx.array([row])))
+
+
+def test_resident_model_hit_rate_counts_its_hits(tiny):
+    from moeflux_mlx.commands.common import expert_summary
+
+    model, _ = moeflux_mlx.load(tiny, cache_budget="all")
+    try:
+        _calls(model, [1, 2, 3, 4, 5])  # the first call of each layer reads it whole
+        fill = moeflux_mlx.stats(model)["total"]
+        assert fill["hit_rate"] == 0.0 and fill["experts_missed"] == fill["experts_routed"] > 0
+        _calls(model, [6], [7], [8])  # decode-sized calls: 4 selections = 4 experts, all hits
+        t = moeflux_mlx.stats(model)["total"]
+        layers = len(model.moeflux.layout.layers)
+        assert t["experts_routed"] == fill["experts_routed"] + 3 * 4 * layers
+        assert t["experts_missed"] == fill["experts_missed"]
+        assert t["hit_rate"] == pytest.approx(1 - t["experts_missed"] / t["experts_routed"])
+        assert t["hit_rate"] > 0.5
+        line = expert_summary(moeflux_mlx.stats(model))
+        assert f"hit rate {100 * t['hit_rate']:.1f}%, {3 * layers} of {4 * layers} layer calls" in (
+            line
+        )
+        moeflux_mlx.reset_stats(model)
+        _calls(model, [9], [10, 11])  # resident now: nothing missed, nothing read
+        t = moeflux_mlx.stats(model)["total"]
+        assert t["hit_rate"] == 1.0 and t["bytes_read"] == 0
+        assert t["experts_routed"] == 3 * 4 * layers
+        assert "hit rate 100.0%" in expert_summary(moeflux_mlx.stats(model))
+    finally:
+        model.moeflux.close()
+
+
+def test_partly_cached_hit_rate_is_unchanged(tiny):
+    from moeflux_mlx.commands.common import expert_summary
+
+    model, _ = moeflux_mlx.load(tiny, cache_budget="50% experts")
+    try:
+        assert moeflux_mlx.stats(model)["total"]["hit_rate"] is None  # nothing counted yet
+        _calls(model, [1, 2, 3], [4], [5], [6], [7], [4], [5])
+        t = moeflux_mlx.stats(model)["total"]
+        assert t["unsynced_calls"] == 0 and 0 < t["experts_missed"] < t["experts_routed"]
+        assert 0 < t["hit_rate"] < 1
+        line = expert_summary(moeflux_mlx.stats(model))
+        assert f"hit rate {100 * t['hit_rate']:.1f}% (" in line and "all resident" not in line
+    finally:
+        model.moeflux.close()
