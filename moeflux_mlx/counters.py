@@ -11,8 +11,10 @@ class LayerStats:
     calls: int = 0  # SwitchGLU calls (one per forward pass of the layer)
     unsynced_calls: int = 0  # of those, served with every expert resident: no host sync
     tokens: int = 0  # tokens of every call (the router's rows)
-    experts_routed: int = 0  # unique experts the router asked for, summed over synced calls
-    experts_missed: int = 0  # of those, not resident when asked
+    # experts the router asked for: a synced call's unique ones; a call to a fully resident
+    # layer (no sync) and a device-side table call count their selections (tokens x top-k)
+    experts_routed: int = 0
+    experts_missed: int = 0  # of those, not resident when asked (a resident layer's: none)
     # the device-side table's miss server reads a speculative pass's later tokens' experts
     # ahead, once the pass's first token announces them (``table_kernels.hint``)
     prefetch_issued: int = 0  # experts read ahead so
@@ -66,8 +68,9 @@ class Stats:
 
     @property
     def hit_rate(self) -> Optional[float]:
-        """Of the experts routed through a host sync, the share already resident; None when no
-        call synced (every layer fully resident)."""
+        """Of the experts routed, the share already resident: every selection of a call to a
+        fully resident layer is a hit (the first call of such a layer, which reads it whole,
+        counts its experts as misses); None before any call counted an expert."""
         t = self.total()
         return 1.0 - t.experts_missed / t.experts_routed if t.experts_routed else None
 

@@ -6,7 +6,8 @@
     ├── CheckpointError (ValueError)        not a usable MoE checkpoint: no experts, missing shards,
     │   ├── SafetensorsHeaderError            damaged header, offsets past the end of the file
     │   ├── UnsupportedQuantizationError      quantization mode / bits / group size
-    │   └── LayoutError                       layout.json corrupt / other version / not the files'
+    │   ├── LayoutError                       layout.json corrupt / other version / not the files'
+    │   └── MissingTokenizerError             no tokenizer files beside the weights
     ├── ExpertFileError (OSError)           a weight file is missing, unreadable, truncated, wrong size
     │   └── ExpertChecksumError               an expert's bytes are not those convert wrote
     ├── ExpertReadError (OSError)           a read failed during generation (EIO, short read, truncated)
@@ -38,6 +39,12 @@ class UnsupportedQuantizationError(CheckpointError):
 class LayoutError(CheckpointError):
     """layout.json is missing, corrupt, of another format version, or does not match the files
     or the model config."""
+
+
+class MissingTokenizerError(CheckpointError):
+    """The model directory holds no tokenizer files (``tokenizer.json``,
+    ``tokenizer_config.json``, ...): mlx-lm would build an empty tokenizer that turns every
+    prompt into no tokens. Raised by ``load`` before anything is read."""
 
 
 class ExpertFileError(MoefluxError, OSError):

@@ -22,8 +22,8 @@ TIMEOUT = 90
 STATS = re.compile(
     r"\[prompt: (\d+) tokens \((\d+) cached\), [\d.]+ tok/s \| "
     r"reply: (\d+) tokens, [\d.]+ tok/s \| peak memory [\d.]+ \w?B \| "
-    r"experts: [\d.]+ \w?B read, (?:\d+ of \d+ layer calls all resident, )?"
-    r"(?:hit rate [\d.]+%(?: in the rest)?|every expert resident) \((mmap|pread)\)\]"
+    r"experts: [\d.]+ \w?B read, hit rate [\d.]+%(?:, \d+ of \d+ layer calls all resident)? "
+    r"\((mmap|pread)\)\]"
 )
 PROMPT_LOG = re.compile(
     r"prompt: (\d+) tokens, (\d+) of them reused from the prompt cache, "

@@ -77,6 +77,9 @@ class ExpertCache:
             stats.calls += 1
             stats.unsynced_calls += 1
             stats.tokens += indices.size // indices.shape[-1]  # the shape needs no sync
+            # every selection is a hit; how many there are is in the shape too (a decode call's
+            # k selections are its k experts; a prefill's repeat some, each counted, each a hit)
+            stats.experts_routed += indices.size
             return compute(x, indices, resident)
         if self.table is not None and self.table.serves(layer, indices):  # 2. on the GPU
             slots, pool = self.table.lookup(layer, indices, stats)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple, Type
 
 import mlx.core as mx
@@ -51,6 +52,88 @@ def slots_per_layer(layout: ModelLayout, budget_bytes: int) -> Dict[int, int]:
         share = budget_bytes * lay.layer_bytes / total if total else 0
         out[i] = int(min(lay.num_experts, share // lay.blob_size))
     return out
+
+
+def smallest_budget(layout: ModelLayout, slots: int) -> int:
+    """The fewest bytes whose split (``slots_per_layer``) gives every layer ``slots`` slots (or
+    all its experts, where it has fewer).
+
+    Args:
+        layout: the model's expert layout.
+        slots: the slots wanted in every layer.
+
+    Returns:
+        The budget in bytes (0 for a layout without layers).
+    """
+    total = layout.total_expert_bytes
+
+    def want(i: int) -> int:
+        return min(slots, layout.layers[i].num_experts)
+
+    need = 0
+    for i, lay in layout.layers.items():
+        if lay.layer_bytes:  # the layer's share of the budget must hold want(i) blobs
+            need = max(need, -(-want(i) * lay.blob_size * total // lay.layer_bytes))
+    # slots_per_layer divides in floating point: step over a rounding that falls short
+    while any(n < want(i) for i, n in slots_per_layer(layout, need).items()):
+        need += 1
+    return need
+
+
+@dataclass(frozen=True)
+class TooSmall:
+    """A budget whose slots cannot hold one token's experts in some layer: every call there
+    routes more experts than the layer has slots and is served from staging, as with no budget.
+
+    Attributes:
+        fewest, most: the fewest and the most slots a layer of the model gets.
+        top_k: the experts a token routes.
+        at_least: the smallest budget (bytes) that holds one token's experts in every layer.
+    """
+
+    fewest: int
+    most: int
+    top_k: int
+    at_least: int
+
+    def describe(self, fmt: Callable[[int], str]) -> str:
+        """``3 slots per layer < top-k 8: too small for one token's experts: behaves as 0; at
+        least 2.62 MB``, with ``fmt`` writing the bytes.
+
+        Args:
+            fmt: bytes -> text.
+
+        Returns:
+            The sentence (no line break).
+        """
+        slots = str(self.fewest) if self.fewest == self.most else f"{self.fewest}-{self.most}"
+        plural = "" if slots == "1" else "s"
+        return (
+            f"{slots} slot{plural} per layer < top-k {self.top_k}: too small for one token's "
+            f"experts: behaves as 0 (every call reads its experts); at least "
+            f"{fmt(self.at_least)}"
+        )
+
+
+def too_small(layout: ModelLayout, budget_bytes: int, top_k: Optional[int]) -> Optional[TooSmall]:
+    """Whether a budget (other than 0) is too small for one token's experts in some layer.
+
+    Args:
+        layout: the model's expert layout.
+        budget_bytes: the budget, in bytes.
+        top_k: the experts a token routes (None or 0: unknown, never too small).
+
+    Returns:
+        What falls short, or None where every layer holds ``top_k`` experts (or all of its
+        experts), the budget is 0, or ``top_k`` is unknown.
+    """
+    if budget_bytes <= 0 or not top_k or not layout.layers:
+        return None
+    slots = slots_per_layer(layout, budget_bytes)
+    if all(n >= min(top_k, layout.layers[i].num_experts) for i, n in slots.items()):
+        return None
+    counts = slots.values()
+    return TooSmall(min(counts), max(counts), int(top_k), smallest_budget(layout, int(top_k)))
 
 
 class PolicyBook:
@@ -106,6 +189,7 @@ class SlotCache:
         policy: Type[EvictionPolicy],
     ):
         self.store, self.staging, self.policy = store, staging, policy
+        self.layout, self.budget_bytes = layout, budget_bytes
         self.n_slots = slots_per_layer(layout, budget_bytes)
         self.pools: Dict[int, SlotPool] = {}  # allocated on a layer's first use
         self.books: Dict[int, Book] = {}  # partly cached layers, made on first use

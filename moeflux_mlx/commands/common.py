@@ -729,21 +729,28 @@ def stats_line(
 
 def expert_summary(stats: dict) -> str:
     """``28.31 MB read, hit rate 12.5% (pread)`` from ``model.moeflux.stats_dict()``; with
-    calls that found every expert of their layer resident, ``28.31 MB read, 16 of 20 layer
-    calls all resident, hit rate 0.0% in the rest (mmap)``.
+    calls that found every expert of their layer resident, ``28.31 MB read, hit rate 95.1%,
+    96 of 104 layer calls all resident (mmap)``.
 
-    The hit rate counts the experts of the calls that looked their experts up (a host sync);
-    a call to a layer whose every expert is resident asks nothing and is counted apart, so a
-    model that fits is not shown as "hit rate 0.0%" for the one fill at its first use."""
+    The hit rate counts every expert routed: each selection of a call to a fully resident layer
+    is a hit, and the first call of such a layer, which reads it whole, counts its experts as
+    misses (``counters.Stats.hit_rate``).
+
+    Args:
+        stats: ``model.moeflux.stats_dict()``.
+
+    Returns:
+        The summary, one line.
+    """
     t = stats["total"]
     io = stats.get("io_mode", "?")
     calls, resident = t.get("calls", 0), t.get("unsynced_calls", 0)
     head = f"{fmt_bytes(t['bytes_read'])} read"
-    if not t.get("experts_routed"):
-        return f"{head}, every expert resident ({io})" if calls else f"{head} ({io})"
+    if t.get("hit_rate") is None:  # no call counted an expert
+        return f"{head} ({io})"
     hit = f"hit rate {100 * t['hit_rate']:.1f}%"
     if resident:
-        return f"{head}, {resident} of {calls} layer calls all resident, {hit} in the rest ({io})"
+        return f"{head}, {hit}, {resident} of {calls} layer calls all resident ({io})"
     return f"{head}, {hit} ({io})"
 
 

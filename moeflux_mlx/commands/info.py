@@ -15,13 +15,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import psutil
 
+from ..cache.slots import too_small
 from ..compute.backend import LayerChoice, backend_report, layer_choice, select_backend
 from ..compute.kernels import ExpertSpec
 from ..format.checkpoint import is_packed, packed_layout, read_config, scan_checkpoint
 from ..format.layout import ModelLayout
 from ..format.safetensors import index_directory
 from ..io.store import RAM_FRACTION, open_store, select_expert_io
-from ..model.experts import build_model, find_experts
+from ..model.experts import build_model, find_experts, top_k_of
 from ..model.runtime import machine_choices
 from ..options import LoadOptions, budget_unit, parse_budget
 from .common import (
@@ -195,6 +196,9 @@ def describe(path: Path, given: Optional[dict] = None) -> list:
         f"{shown} of MLX memory for resident experts "
         f"({100 * min(budget, total) / max(total, 1):.0f}% of them; {given_as})"
     )
+    short = too_small(layout, budget, top_k_of(config))
+    if short is not None:  # every call would go to staging: say so, not just the share
+        cache += f"; {short.describe(lambda n: fmt_bytes(n, unit))}"
     by_layer: Sequence[object]
     try:
         backend = select_backend(options.backend)

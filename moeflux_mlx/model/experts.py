@@ -112,6 +112,35 @@ def build_model(config: dict, where: object = "config.json") -> nn.Module:
     return model_class(args_class.from_dict(copy.deepcopy(config)))
 
 
+# what mlx-lm's model args call the experts a token routes, by architecture
+TOP_K_NAMES = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k")
+
+
+def top_k_of(config: Optional[dict] = None, model: Optional[nn.Module] = None) -> Optional[int]:
+    """The experts a token routes (top-k): from ``model.args`` (with mlx-lm's defaults filled
+    in), else from ``config`` (its ``text_config`` first).
+
+    Args:
+        config: the model's ``config.json``.
+        model: the mlx-lm model built from it.
+
+    Returns:
+        The top-k (the largest, where it differs by layer), or None where neither names it.
+    """
+    args = getattr(model, "args", None)
+    sources = [vars(args) if args is not None and hasattr(args, "__dict__") else {}]
+    if config:
+        sources += [config.get("text_config") or {}, config]
+    for source in sources:
+        for name in TOP_K_NAMES:
+            value = source.get(name)
+            if isinstance(value, (list, tuple)) and value:
+                value = max(value)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
 def no_experts_error(config: dict, where: object) -> CheckpointError:
     """The one-line refusal for a model mlx-lm builds without routed experts."""
     model_type = config.get("model_type")

@@ -25,9 +25,9 @@ from ..format.checkpoint import EXPERT_KEY
 from ..format.layout import ExpertLayout
 from ..io.store import open_store
 from ..options import Budget, LoadOptions
-from .experts import find_experts, model_classes, no_experts_error
+from .experts import find_experts, model_classes, no_experts_error, top_k_of
 from .runtime import StreamingRuntime, prefill_step
-from .source import resolve_model_path
+from .source import require_tokenizer, resolve_model_path
 from .switch import StreamingSwitchGLU
 
 log = logging.getLogger(__name__)
@@ -193,6 +193,7 @@ def patch_model(
     try:
         _replace_switch_modules(model, runtime, where=source)
         runtime.prefill_step_size = prefill_step(model, runtime)
+        runtime.warn_small_budget(top_k_of(model=model))
     except Exception:
         runtime.close()
         raise
@@ -243,7 +244,8 @@ def load(
     Raises:
         CheckpointError: no such directory or repo, or not a usable MoE checkpoint (not MoE,
             missing shards, damaged headers,
-            a converted directory that does not match its config: ``LayoutError``).
+            a converted directory that does not match its config: ``LayoutError``; no
+            tokenizer files: ``MissingTokenizerError``).
         ExpertFileError: an expert file is missing, unreadable or of the wrong size.
         ValueError: a bad option (budget, backend).
         DeviceSetupError: ``pin_experts`` could not page-lock the expert files (too large for
@@ -276,10 +278,12 @@ def load(
         return build, args_class
 
     try:
+        require_tokenizer(path, tokenizer_config)  # after the checkpoint's own checks
         model, config = load_model(
             path, lazy=lazy, model_config=model_config, get_model_classes=get_classes
         )
         runtime.prefill_step_size = prefill_step(model, runtime)
+        runtime.warn_small_budget(top_k_of(config, model))
         _track_dtypes(model)
         # the random initial weights of the replaced experts were never evaluated; evaluate the
         # global key so it does not keep their lazy graph (about 75 KB per load) alive

@@ -17,7 +17,7 @@ from ..cache import wired
 from ..cache.expert_cache import ExpertCache
 from ..cache.policy import POLICIES
 from ..cache.pool import DeviceStaging
-from ..cache.slots import SlotCache
+from ..cache.slots import SlotCache, TooSmall, too_small
 from ..cache.whole_layer import WholeLayerPrefill
 from ..compute.backend import (
     Backend,
@@ -190,6 +190,15 @@ def make_cache(store: ExpertStore, layout: ModelLayout, options: LoadOptions) ->
     return ExpertCache(store, slots, whole, table, staging)
 
 
+def _si_bytes(n: float) -> str:
+    """``n`` bytes in SI units (``2.62 MB``), as the commands write them."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
 NOT_PICKLED = (
     "a model whose experts stream from disk cannot be pickled: its runtime (model.moeflux) "
     "holds open expert files, threads and the expert cache; in the other process, load it "
@@ -295,6 +304,26 @@ class StreamingRuntime:
             device_table=self.cache.table is not None,
         )
         return d
+
+    def warn_small_budget(self, top_k: Optional[int]) -> Optional[TooSmall]:
+        """Warn (one line, at load) when the cache budget gives some layer fewer slots than the
+        experts one token routes: every call there is then served from staging, as with a budget
+        of 0, whatever the budget and the policy say.
+
+        Args:
+            top_k: the experts a token routes (``model.experts.top_k_of``; None: unknown).
+
+        Returns:
+            What falls short (``cache.slots.TooSmall``), or None.
+        """
+        slots = self.cache.slots
+        short = too_small(self.layout, slots.budget_bytes, top_k)
+        if short is not None:
+            given = self.options.cache_budget
+            shown = _si_bytes(slots.budget_bytes)
+            budget = shown if given is None or str(given) == shown else f"{given} ({shown})"
+            log.warning("cache budget %s: %s", budget, short.describe(_si_bytes))
+        return short
 
     def reset_stats(self) -> None:
         self.cache.settle(self._stats)  # what was read so far counts before the reset

@@ -34,10 +34,10 @@ from ..format.checkpoint import expert_layout
 from ..format.layout import ExpertLayout, ExpertShard, ModelLayout
 from ..io.store import open_store
 from ..options import LoadOptions
-from .experts import ExpertModule, find_experts, model_classes
+from .experts import ExpertModule, find_experts, model_classes, top_k_of
 from .load import _expert_keys_dropper, _options, _replace_switch_modules
 from .runtime import StreamingRuntime, prefill_step
-from .source import resolve_model_path
+from .source import require_tokenizer, resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -225,13 +225,14 @@ def sharded_load(
         CheckpointError: not a usable MoE checkpoint, or a model that does not split the way
             asked (no ``shard`` / ``pipeline``, a cut streamed experts do not follow:
             ``LayoutError``, ``UnsupportedQuantizationError`` for a cut inside a quantization
-            group).
+            group); no tokenizer files: ``MissingTokenizerError``.
         ExpertFileError: an expert file is missing, unreadable or of the wrong size.
         OptionError: a bad option; TypeError: an unknown one.
     """
     path = resolve_model_path(path)
     opts = _options(options, load_options)
     full = expert_layout(path)
+    require_tokenizer(path, tokenizer_config)  # after the checkpoint's own checks
     model, config = _load_lazily(path, full, model_config)
     has_pipeline = hasattr(model, "model") and hasattr(model.model, "pipeline")
     has_shard = hasattr(model, "shard")
@@ -285,6 +286,7 @@ def sharded_load(
         if experts:  # a stage of dense layers only streams nothing
             _replace_switch_modules(model, runtime, config, path)
             runtime.prefill_step_size = prefill_step(model, runtime)
+            runtime.warn_small_budget(top_k_of(config, model))
         mx.eval(model.parameters(), mx.random.state)
         # as mlx-lm: every process has loaded before the first collective of a forward pass;
         # on the group's own stream (mlx-lm's stream=mx.cpu fails under MLX 0.32's NCCL)

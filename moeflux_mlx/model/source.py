@@ -10,11 +10,22 @@ from typing import Optional, Union
 
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS, _download
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, MissingTokenizerError
 
 HUB_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # a converted repo's expert files besides what mlx-lm fetches (its layout.json is a *.json)
 ALLOW_PATTERNS = [*DEFAULT_ALLOW_PATTERNS, "packed_experts/*"]
+# the files a Hugging Face tokenizer is built from (transformers' AutoTokenizer, as mlx-lm calls
+# it); a directory with none of them gets an empty tokenizer that encodes every prompt as []
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+TOKENIZER_GLOBS = ("*.tiktoken", "*.model")
 
 
 def resolve_model_path(model: Union[str, Path], revision: Optional[str] = None) -> Path:
@@ -49,3 +60,31 @@ def resolve_model_path(model: Union[str, Path], revision: Optional[str] = None) 
             f"{model}: not a local directory, and fetching it{at} from the Hugging Face Hub "
             f"failed ({type(e).__name__}{': ' + why if why else ''})"
         ) from e
+
+
+def require_tokenizer(path: Path, tokenizer_config: Optional[dict] = None) -> None:
+    """Refuse a model directory that holds no tokenizer files.
+
+    Without them mlx-lm (through transformers) quietly builds an empty tokenizer: every prompt
+    becomes no tokens, and the commands fail far from the cause. A ``tokenizer_config`` naming
+    a file of its own (``tokenizer_file``, ``vocab_file``, ...) is trusted.
+
+    Args:
+        path: the model's local directory (``resolve_model_path``).
+        tokenizer_config: the extra tokenizer arguments, as ``mlx_lm.load`` takes them.
+
+    Raises:
+        MissingTokenizerError: ``path`` has none of ``TOKENIZER_FILES`` (nor a ``*.tiktoken`` or
+            ``*.model`` file); one line naming the files looked for and what to do.
+    """
+    if any(k.endswith("_file") for k in tokenizer_config or {}):
+        return
+    if any((path / name).is_file() for name in TOKENIZER_FILES):
+        return
+    if any(any(path.glob(g)) for g in TOKENIZER_GLOBS):
+        return
+    raise MissingTokenizerError(
+        f"{path}: no tokenizer (mlx-lm looks for tokenizer.json, tokenizer_config.json, "
+        "tokenizer.model or vocab.json); copy the tokenizer files from the original checkpoint "
+        "into it (mlx_lm.convert's output includes them)"
+    )
