@@ -167,3 +167,14 @@ def test_partly_cached_hit_rate_is_unchanged(tiny):
         assert f"hit rate {100 * t['hit_rate']:.1f}% (" in line and "all resident" not in line
     finally:
         model.moeflux.close()
+
+
+def test_a_budget_is_shown_as_it_was_written():
+    """``info`` and the load line show a budget in its own terms: a share names its base."""
+    from moeflux_mlx.commands.common import fmt_budget
+
+    total = 4_000_000_000
+    assert fmt_budget("25% experts", total) == "1.00 GB (25% experts)"
+    assert fmt_budget("all", total) == "4.00 GB (all)"
+    assert fmt_budget("8GiB", total).endswith("GiB")
+    assert fmt_budget("10%  ram", total).endswith("(10% ram)")  # as typed, spaces tidied

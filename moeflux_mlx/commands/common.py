@@ -594,16 +594,14 @@ def load_model(
 
 
 def fmt_budget(budget, total_expert_bytes: int) -> str:
-    """A cache budget for people, in the units it was written in (``8 GiB``); a fraction or
-    ``all`` as bytes and what they are (``10.11 GB = 0.4 x RAM``)."""
+    """A cache budget for people, in the units it was written in (``8 GiB``); a share or
+    ``all`` as bytes and what they are (``10.11 GB (40% RAM)``)."""
     n = parse_budget(budget, total_expert_bytes)
     unit = budget_unit(budget)
     if unit is not None:
         return fmt_bytes(n, unit)
-    if isinstance(budget, str) and budget.strip().lower() == "all":
-        return f"{fmt_bytes(n)} (all)"
-    if isinstance(budget, (float, str)) and n:
-        return f"{fmt_bytes(n)} ({budget} x RAM)"
+    if isinstance(budget, str) and n:  # "all", "25% experts", "40% RAM"
+        return f"{fmt_bytes(n)} ({' '.join(budget.split())})"
     return fmt_bytes(n)
 
 
