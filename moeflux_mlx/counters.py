@@ -9,7 +9,10 @@ from typing import Dict, Optional
 @dataclass
 class LayerStats:
     calls: int = 0  # SwitchGLU calls (one per forward pass of the layer)
-    unsynced_calls: int = 0  # of those, served with every expert resident: no host sync
+    # of those, answered with no host sync: every expert resident, the device-side table, or
+    # a prefill's whole layer
+    unsynced_calls: int = 0
+    resident_calls: int = 0  # of those, on a layer whose every expert is resident
     tokens: int = 0  # tokens of every call (the router's rows)
     # experts the router asked for: a synced call's unique ones; a call to a fully resident
     # layer (no sync) and a device-side table call count their selections (tokens x top-k)

@@ -178,3 +178,21 @@ def test_a_budget_is_shown_as_it_was_written():
     assert fmt_budget("all", total) == "4.00 GB (all)"
     assert fmt_budget("8GiB", total).endswith("GiB")
     assert fmt_budget("10%  ram", total).endswith("(10% ram)")  # as typed, spaces tidied
+
+
+def test_calls_whose_layer_was_read_whole_are_not_counted_resident():
+    """A prefill at a small budget reads its layers whole without a host sync: not a layer with
+    every expert resident, so the stats line does not call those calls resident."""
+    from mlx_lm import generate
+
+    import moeflux_mlx
+    from moeflux_mlx.commands.common import expert_summary
+    from moeflux_mlx.demo_model import checkpoint_path
+
+    model, tokenizer = moeflux_mlx.load(checkpoint_path(), cache_budget="25% experts")
+    with model.moeflux:
+        generate(model, tokenizer, " ".join(["once upon a time there was a cat"] * 8), max_tokens=2)
+        stats = model.moeflux.stats_dict()
+        t = stats["total"]
+        assert t["unsynced_calls"] > 0 and t["resident_calls"] == 0
+        assert "all resident" not in expert_summary(stats)

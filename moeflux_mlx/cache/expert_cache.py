@@ -76,6 +76,7 @@ class ExpertCache:
         if resident is not None:  # 1. every expert resident, slot == expert id: no host sync
             stats.calls += 1
             stats.unsynced_calls += 1
+            stats.resident_calls += 1
             stats.tokens += indices.size // indices.shape[-1]  # the shape needs no sync
             # every selection is a hit; how many there are is in the shape too (a decode call's
             # k selections are its k experts; a prefill's repeat some, each counted, each a hit)

@@ -742,7 +742,7 @@ def expert_summary(stats: dict) -> str:
     """
     t = stats["total"]
     io = stats.get("io_mode", "?")
-    calls, resident = t.get("calls", 0), t.get("unsynced_calls", 0)
+    calls, resident = t.get("calls", 0), t.get("resident_calls", 0)
     head = f"{fmt_bytes(t['bytes_read'])} read"
     if t.get("hit_rate") is None:  # no call counted an expert
         return f"{head} ({io})"
