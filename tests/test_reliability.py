@@ -387,8 +387,9 @@ BAD_INPUTS = [
         "layout_vs_files",
         "dst",
         _layout_and_config(_more_experts),
-        ExpertFileError,
-        ["layer_00.bin", "layer 0", "32 experts"],
+        # the layout's own checksums (one per expert it had) give the edit away first
+        LayoutError,
+        ["layout.json", "layer 0", "do not match its experts"],
     ),
     (
         "config_other_size_dst",
@@ -1116,13 +1117,14 @@ def test_convert_verify_failure(ckpt, tmp_path, monkeypatch):
     real = conv._write_layer
 
     def corrupt(ckpt_, layer, layout, path, bar):
-        real(ckpt_, layer, layout, path, bar)
+        sums = real(ckpt_, layer, layout, path, bar)  # what convert meant to write
         if layer == 1:
             with open(path, "r+b") as f:
                 f.seek(layout.blob_size * 3 + 10)
                 b = f.read(1)
                 f.seek(-1, 1)
                 f.write(bytes([b[0] ^ 0xFF]))
+        return sums
 
     monkeypatch.setattr(conv, "_write_layer", corrupt)
     with pytest.raises(ConvertError, match=r"layer_01.bin: expert 3 \(gate_proj.weight\) differs"):

@@ -215,7 +215,7 @@ def test_lookup_stream_generate_is_stream_generate(packed):
     """What mlx_lm.server's ``_serve_single`` passes, with a ``PromptLookup`` as the draft model:
     the responses of plain ``stream_generate``, the cache left as it leaves it (prompt and every
     reply token: the server saves it under them), to the end and when stopped early."""
-    model, tokenizer = moeflux_mlx.load(packed, backend="ops", cache_budget=0.25)
+    model, tokenizer = moeflux_mlx.load(packed, backend="ops", cache_budget="25% experts")
     prompt = tokenizer.encode(TEXT)
     with model.moeflux:
         for stop_after in (None, 5):

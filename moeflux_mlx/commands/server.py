@@ -112,6 +112,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 DEFAULT_MAX_CONNECTIONS = 64
 IDLE_TIMEOUT_S = 60  # a client silent this long (request unsent, reply unread) is dropped
+IDLE_CLEAR_S = 2.0  # with no connection open this long, MLX's buffer cache is given back
 FALLBACK_CONTEXT = 32768  # prompts and sizes where config.json gives no context length
 API_KEY_VARIABLE = "MOEFLUX_API_KEY"
 # Hugging Face tokenizers are not safe to call from two threads at once: the handlers (counting
@@ -993,6 +994,9 @@ class StreamingHTTPServer(ThreadingHTTPServer):
 
     daemon_threads = True  # a request still being answered does not hold the process at exit
     max_connections = 0  # 0: no limit
+    # connections open now: written only by the connection threads, under ``_count_lock``
+    _open = 0
+    _count_lock = threading.Lock()
     # socketserver's backlog of 5 resets clients that connect together (32 at once, say)
     request_queue_size = 128
 
@@ -1015,12 +1019,27 @@ class StreamingHTTPServer(ThreadingHTTPServer):
         super().process_request(request, client_address)
 
     def process_request_thread(self, request, client_address) -> None:
+        with self._count_lock:
+            self._open += 1
         try:
             super().process_request_thread(request, client_address)
         finally:
             slots = getattr(self, "_slots", None)
             if slots is not None:
                 slots.release()
+            with self._count_lock:
+                self._open -= 1
+                if self._open == 0:  # the last client gone: give memory back once idle
+                    timer = threading.Timer(IDLE_CLEAR_S, self._clear_if_idle)
+                    timer.daemon = True
+                    timer.start()
+
+    def _clear_if_idle(self) -> None:
+        """MLX keeps the buffers of finished requests for reuse; with no connection open for
+        ``IDLE_CLEAR_S`` they go back to the system (a later request allocates anew)."""
+        with self._count_lock:
+            if self._open == 0:
+                mx.clear_cache()
 
     def handle_error(self, request, client_address) -> None:
         error = sys.exc_info()[1]
