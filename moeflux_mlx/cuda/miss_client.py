@@ -195,7 +195,7 @@ class MissServer:
         fault = c.fault()
         if fault is not None:
             raise DeviceWaitError(
-                f"{fault} (MOEFLUX_WAIT_TIMEOUT_S={self.wait_timeout_s:g}); load the model again"
+                f"{fault} (it waits at most {self.wait_timeout_s:g} s); load the model again"
             )
         errors = int(c.globals["errors"])
         if errors != self._errors_seen:
