@@ -207,10 +207,10 @@ def _reads_of(monkeypatch, store):
     seen = []
     real = store.read
 
-    def read(layer, experts, out=None):
+    def read(layer, experts, out=None, whole=False):
         if len(experts) == store.layout(layer).num_experts:
             seen.append(layer)
-        return real(layer, experts, out)
+        return real(layer, experts, out, whole)
 
     monkeypatch.setattr(store, "read", read)
     return seen
@@ -372,43 +372,55 @@ def test_a_read_ahead_that_cannot_be_queued_is_read_by_its_call(tiny, monkeypatc
     assert refused
 
 
-def test_layer_copy_kernel_copies_every_component():
-    """``cuda.layer_copy`` (CUDA: on a few blocks, out of mapped staging) gives each component's
-    bytes of every expert, padding left out, for any block count; where a component is not
-    16-byte sized it declines, and MLX's copies are used (everywhere)."""
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [((37, 24, 10), "BF16"), ((37, 3, 5), "F16"), ((37, 2, 1), "F32")],  # 16-, 2-, 8-byte rows
+)
+def test_layer_copy_copies_every_component(shape, dtype):
+    """``PinnedStaging`` (CUDA: page-locked, copied by the kernel on a few blocks, with the
+    widest load the rows allow) gives each component's bytes of every expert, padding left out,
+    for any block count, and reuses its buffers; without CUDA, the same through host rows."""
     from moeflux_mlx.cuda import layer_copy
     from moeflux_mlx.cuda import runtime as cuda_runtime
     from moeflux_mlx.format.layout import ExpertLayout
 
+    n = shape[0]
     layout = ExpertLayout.from_tensors(
         {
-            "gate_proj.weight": ("BF16", (37, 24, 10)),  # 480 bytes, padded to 512
-            "up_proj.weight": ("BF16", (37, 24, 8)),  # 384
-            "down_proj.weight": ("BF16", (37, 40, 8)),  # 640
+            "gate_proj.weight": (dtype, shape),
+            "up_proj.weight": (dtype, shape),
+            "down_proj.weight": ("BF16", (n, 40, 8)),
         },
         None,
     )
-    odd = ExpertLayout.from_tensors(
-        {"fc1.weight": ("F16", (3, 5, 3)), "fc2.weight": ("F16", (3, 3, 5))}, None
-    )  # 30 bytes each
-    staged = mx.array(
-        np.random.default_rng(1).integers(0, 256, (37, layout.blob_size), dtype=np.uint8)
-    )
-    assert layer_copy.copy_layer(staged[:, : odd.blob_size], odd) is None
-    if not cuda_runtime.table_available():
-        pytest.skip("the copy kernel needs MLX's CUDA backend")
-    staged = cuda_runtime.host_array((37, layout.blob_size))
-    rows = np.random.default_rng(2).integers(0, 256, (37, layout.blob_size), dtype=np.uint8)
-    np.frombuffer(memoryview(staged), np.uint8).reshape(37, -1)[:] = rows
-    for blocks in (1, 3, 16):
-        layer_copy.LAYER_COPY_BLOCKS, was = blocks, layer_copy.LAYER_COPY_BLOCKS
-        try:
-            got = layer_copy.copy_layer(staged, layout)
-        finally:
-            layer_copy.LAYER_COPY_BLOCKS = was
-        for c in layout.components:
-            want = rows[:, c.offset : c.offset + c.nbytes]
-            assert np.array_equal(np.array(got[c.name]), want), (blocks, c.name)
+    staging = layer_copy.PinnedStaging()
+    blocks = (1, 3, 16) if cuda_runtime.table_available() else (16,)
+    try:
+        for turn, count in enumerate(blocks):
+            rows = np.random.default_rng(turn).integers(0, 256, (n, layout.blob_size), np.uint8)
+            staging.buffer(turn % 2, n, layout.blob_size)[:] = rows
+            layer_copy.LAYER_COPY_BLOCKS, was = count, layer_copy.LAYER_COPY_BLOCKS
+            try:
+                got = staging.copy(turn % 2, layout)
+                mx.eval(list(got.values()))
+            finally:
+                layer_copy.LAYER_COPY_BLOCKS = was
+            for c in layout.components:
+                want = rows[:, c.offset : c.offset + c.nbytes]
+                assert np.array_equal(np.array(got[c.name]), want), (count, c.name)
+        assert staging.nbytes <= 2 * n * layout.blob_size
+    finally:
+        staging.close()
+    assert staging.nbytes == 0
+
+
+def test_the_copy_loads_the_widest_word_that_fits():
+    from moeflux_mlx.cuda.layer_copy import word_bytes
+
+    assert word_bytes(4096, 512, 1024) == 16
+    assert word_bytes(4096 + 8, 512, 1024) == 8
+    assert word_bytes(4096, 30, 60) == 2
+    assert word_bytes(4097, 512, 512) == 1
 
 
 @contextlib.contextmanager

@@ -138,20 +138,10 @@ class DeviceStaging:
 
     Safe to share for the same reason a pool is safe to rewrite (``cache.budget``'s write
     ordering). Requests over ``STAGING_KEEP_BYTES`` (prefill) get a buffer of their own that is
-    not kept. ``allocate(shape)``: a uint8 MLX array the GPU reads in place.
-    ``copy_layer(staged, layout)``: the copy kernel that moves a prefill's whole layer out of
-    that staging, a layer's components as device arrays, lazy (CUDA: ``cuda.layer_copy``; None,
-    or None returned: MLX's copies)."""
+    not kept. ``allocate(shape)``: a uint8 MLX array the GPU reads in place."""
 
-    def __init__(
-        self,
-        allocate: Callable[[tuple], mx.array],
-        copy_layer: Optional[
-            Callable[[mx.array, ExpertLayout], Optional[Dict[str, mx.array]]]
-        ] = None,
-    ):
+    def __init__(self, allocate: Callable[[tuple], mx.array]):
         self.allocate = allocate
-        self.copy_layer = copy_layer
         self._buf: Optional[mx.array] = None
 
     def get(self, n: int, blob_size: int) -> mx.array:

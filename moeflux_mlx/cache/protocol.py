@@ -1,6 +1,7 @@
-"""The two seams of the cache: a layer's ``Book`` (which expert sits in which slot, and who
-keeps that) and the ``SlotTable`` (the device-side table, the optional CUDA wing, which answers
-decode calls on the GPU). ``cache/`` never imports ``cuda/``: the runtime hands the table in."""
+"""The seams of the cache: a layer's ``Book`` (which expert sits in which slot, and who keeps
+that), the ``SlotTable`` (the device-side table, the optional CUDA wing, which answers decode
+calls on the GPU) and ``LayerStaging`` (CUDA's page-locked staging of a prefill's whole layers).
+``cache/`` never imports ``cuda/``: the runtime hands them in."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..counters import LayerStats, Stats
+from ..format.layout import ExpertLayout
 from .pool import ExpertPool, SlotPool
 
 
@@ -85,5 +87,28 @@ class SlotTable(Protocol):
     def check(self) -> None: ...
 
     def settle(self, stats: Stats) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LayerStaging(Protocol):
+    """Host buffers the GPU reads in place, that a prefill's whole layers are read into
+    (``cuda.layer_copy.PinnedStaging``): a few, reused layer after layer."""
+
+    BUFFERS: int
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes held."""
+        ...
+
+    def buffer(self, i: int, n: int, blob_size: int) -> np.ndarray:
+        """Buffer ``i`` as a ``[n, blob_size]`` host view to read a layer into; the caller
+        evaluated every copy out of it first."""
+        ...
+
+    def copy(self, i: int, layout: ExpertLayout) -> Dict[str, mx.array]:
+        """The layer in buffer ``i``, each component as a device array (lazy)."""
+        ...
 
     def close(self) -> None: ...

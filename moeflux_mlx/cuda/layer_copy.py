@@ -1,18 +1,20 @@
-"""A prefill's whole layer from mapped host staging to the device, on a few of the GPU's blocks
-(``DeviceStaging.copy_layer``, used by ``cache.whole_layer`` on CUDA).
+"""A prefill's whole layer from page-locked host memory to the device, on a few of the GPU's
+blocks (used by ``cache.whole_layer`` on CUDA).
 
-A prefill at a small budget moves every expert of a layer to the device while the previous
-layer computes. MLX's own copy kernel launches a block for every few kilobytes and so takes
-every SM while the bytes cross PCIe: the computation beside it waits. ``layer_copy_cuda.cuh``
-keeps ``LAYER_COPY_BLOCKS`` blocks, each thread with ``DEPTH`` loads in flight, enough to fill
-the link, and leaves the other SMs to the computation.
+A prefill at a small budget moves every expert of a layer to the device while the previous layer
+computes. The bytes come from page-locked host memory the GPU reads in place: the expert files
+themselves where they are pinned (``pinned_files``), else ``PinnedStaging``, two buffers of a
+layer each that the store's read threads fill. ``pinned_copy_cuda.cuh`` copies each component
+with ``LAYER_COPY_BLOCKS`` blocks, each thread with ``DEPTH`` loads in flight: enough to fill
+PCIe (47-48 GB/s on an H200 with 16 to 264 blocks, ``benchmarks/transfer.py``), while MLX's own
+copy kernel would take every SM and the computation beside it would wait.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-from typing import Callable, Dict, Optional
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -22,73 +24,27 @@ from ..format.layout import ExpertLayout
 from . import runtime
 from .pinned_files import LayerSources
 
-# blocks of THREADS threads: a few of an H100's 132 SMs. 0: always MLX's copy kernel (every SM),
-# the fallback a layout not aligned to 16 bytes takes anyway.
+# blocks of THREADS threads: a few of an H200's 132 SMs (0: the host fallback, MLX's copies)
 LAYER_COPY_BLOCKS = 16
 THREADS = 256
-DEPTH = 4  # 16-byte loads in flight per thread
+DEPTH = 4  # loads in flight per thread
+# the kernel's load per width: the widest that the address, the stride and the size divide
+_WORDS = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
 
 
-def copier() -> Optional[Callable[[mx.array, ExpertLayout], Optional[Dict[str, mx.array]]]]:
-    """``copy_layer`` where its kernel can run (MLX's CUDA backend on the GPU), else None."""
-    return copy_layer if runtime.table_available() else None
-
-
-def copy_layer(staged: mx.array, layout: ExpertLayout) -> Optional[Dict[str, mx.array]]:
-    """Each component of ``staged`` (``[n, blob_size]`` uint8, in mapped host staging) as a
-    ``[n, nbytes]`` uint8 array on the device, copied by ``LAYER_COPY_BLOCKS`` blocks; lazy, on
-    the caller's stream.
-
-    Args:
-        staged: the layer's blobs, row-contiguous, readable by the GPU in place.
-        layout: the layer's expert layout.
-
-    Returns:
-        The arrays by component name; None where the kernel does not apply (a component not
-        16-byte sized, or ``LAYER_COPY_BLOCKS`` 0): the caller copies with MLX then.
-    """
-    parts = tuple((c.offset, c.nbytes) for c in layout.components)
-    if LAYER_COPY_BLOCKS <= 0 or layout.blob_size % 16 or any(o % 16 or b % 16 for o, b in parts):
-        return None
-    outs = _kernel(layout.blob_size, parts)(
-        inputs=[staged],
-        grid=(LAYER_COPY_BLOCKS * THREADS, 1, 1),
-        threadgroup=(THREADS, 1, 1),
-        output_shapes=[(staged.shape[0], b) for _, b in parts],
-        output_dtypes=[mx.uint8] * len(parts),
-    )
-    return {c.name: out for c, out in zip(layout.components, outs)}
-
-
-@functools.cache
-def _kernel(blob_size: int, parts: tuple):
-    """The copy kernel for one layout: the components' offsets and sizes are compiled in."""
-    stores = "\n      else ".join(
-        f"if ({f'r >= {o // 16} && ' if o else ''}r < {(o + b) // 16}) "
-        f"reinterpret_cast<uint4*>(o{i})[e * {b // 16} + (r - {o // 16})] = v[u];"
-        for i, (o, b) in enumerate(parts)
-    )
-    header = f"#define MF_BLOB {blob_size}ll\n#define MF_DEPTH {DEPTH}\n"
-    body = load_source("layer_copy_cuda.cuh").replace("MF_STORE_COMPONENTS", stores)
-    digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
-    return mx.fast.cuda_kernel(
-        name=f"moeflux_layer_copy_{digest}",
-        input_names=["blobs"],
-        output_names=[f"o{i}" for i in range(len(parts))],
-        source=body,
-        header=header,
-    )
+def word_bytes(*values: int) -> int:
+    """The widest load (16, 8, 4, 2 or 1 bytes) that every one of ``values`` is a multiple of."""
+    return next(w for w in _WORDS if all(v % w == 0 for v in values))
 
 
 def copy_pinned(sources: LayerSources, layout: ExpertLayout) -> Dict[str, mx.array]:
     """Each component of a layer's every expert as a ``[n, nbytes]`` uint8 device array, copied
-    by ``LAYER_COPY_BLOCKS`` blocks straight out of the page-locked expert files
-    (``pinned_files``), with no host read; lazy, on the caller's stream. A component the kernel
-    cannot take (no CUDA, not 16-byte aligned, or ``LAYER_COPY_BLOCKS`` 0) is copied from the
-    files' host mapping instead.
+    by ``LAYER_COPY_BLOCKS`` blocks straight out of page-locked host memory, with no host read;
+    lazy, on the caller's stream. Without the kernel (no CUDA, or ``LAYER_COPY_BLOCKS`` 0) each
+    component is copied from the same bytes' host rows instead.
 
     Args:
-        sources: where the layer's components lie in the pinned files.
+        sources: where the layer's components lie in page-locked memory.
         layout: the layer's expert layout.
 
     Returns:
@@ -96,14 +52,14 @@ def copy_pinned(sources: LayerSources, layout: ExpertLayout) -> Dict[str, mx.arr
     """
     n, out = layout.num_experts, {}
     kernel = runtime.table_available() and LAYER_COPY_BLOCKS > 0
-    for k, (c, ptr, stride, rows) in enumerate(
-        zip(layout.components, sources.device_ptrs, sources.strides, sources.rows)
+    for c, ptr, stride, rows in zip(
+        layout.components, sources.device_ptrs, sources.strides, sources.rows
     ):
-        if not (kernel and ptr and sources.aligned(k, c.nbytes)):
+        if not (kernel and ptr):
             out[c.name] = mx.array(np.ascontiguousarray(rows))
             continue
         meta = mx.array(np.array([ptr & 0xFFFFFFFF, ptr >> 32], np.uint32).view(np.int32))
-        out[c.name] = _pinned_kernel()(
+        out[c.name] = _kernel(word_bytes(ptr, stride, c.nbytes))(
             inputs=[meta],
             template=[("N", n), ("NB", c.nbytes), ("STRIDE", stride)],
             grid=(LAYER_COPY_BLOCKS * THREADS, 1, 1),
@@ -115,8 +71,10 @@ def copy_pinned(sources: LayerSources, layout: ExpertLayout) -> Dict[str, mx.arr
 
 
 @functools.cache
-def _pinned_kernel():
-    header = f"#define MF_DEPTH {DEPTH}\n"
+def _kernel(word: int):
+    header = (
+        f"#define MF_DEPTH {DEPTH}\n#define MF_WORD {_WORDS[word]}\n#define MF_WORD_BYTES {word}\n"
+    )
     body = load_source("pinned_copy_cuda.cuh")
     digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
     return mx.fast.cuda_kernel(
@@ -126,3 +84,66 @@ def _pinned_kernel():
         source=body,
         header=header,
     )
+
+
+class PinnedStaging:
+    """Page-locked host buffers a prefill's whole layers are read into (``cache.protocol.
+    LayerStaging``), and the GPU's copy out of them: at most ``BUFFERS``, each as large as the
+    largest layer read so far (``nbytes`` says how much is held).
+
+    Who writes what, and when: buffer ``i`` is written by the store's read threads only while
+    the caller (``cache.whole_layer``) holds no unevaluated copy out of it; ``buffer`` may then
+    replace it with a larger one. Without CUDA's runtime the buffers are plain shared memory and
+    ``copy`` copies their host rows.
+    """
+
+    BUFFERS = 2
+
+    def __init__(self) -> None:
+        self._bufs: List[Optional[runtime.PinnedBuffer]] = [None] * self.BUFFERS
+        self._shape: List[tuple] = [(0, 0)] * self.BUFFERS  # (n, blob_size) each holds now
+
+    @property
+    def nbytes(self) -> int:
+        """The page-locked bytes held."""
+        return sum(b.nbytes for b in self._bufs if b is not None)
+
+    def buffer(self, i: int, n: int, blob_size: int) -> np.ndarray:
+        """Buffer ``i`` as a ``[n, blob_size]`` host view for a read (grown if too small).
+
+        Raises:
+            DeviceSetupError: CUDA refused to page-lock a new buffer.
+        """
+        nbytes = n * blob_size
+        buf = self._bufs[i]
+        if buf is None or buf.nbytes < nbytes:
+            if buf is not None:
+                self._bufs[i] = None
+                buf.close()
+            buf = self._bufs[i] = runtime.PinnedBuffer(nbytes)
+        self._shape[i] = (n, blob_size)
+        return buf.array[:nbytes].reshape(n, blob_size)
+
+    def copy(self, i: int, layout: ExpertLayout) -> Dict[str, mx.array]:
+        """Each component of the layer read into buffer ``i`` as a device array (lazy, on the
+        caller's stream)."""
+        buf = self._bufs[i]
+        assert buf is not None
+        n, size = self._shape[i]
+        rows = buf.array[: n * size].reshape(n, size)
+        sources = LayerSources(
+            [buf.device_ptr + c.offset if buf.device_ptr else 0 for c in layout.components],
+            [size] * len(layout.components),
+            [rows[:, c.offset : c.offset + c.nbytes] for c in layout.components],
+        )
+        return copy_pinned(sources, layout)
+
+    def close(self) -> None:
+        """Unlock and free the buffers (after every copy out of them was evaluated)."""
+        bufs, self._bufs = self._bufs, [None] * self.BUFFERS
+        rt = runtime._cudart()
+        if rt is not None and any(b is not None for b in bufs):
+            rt[0].cudaDeviceSynchronize()  # no kernel of any stream still reads them
+        for b in bufs:
+            if b is not None:
+                b.close()

@@ -162,20 +162,21 @@ def make_cache(store: ExpertStore, layout: ModelLayout, options: LoadOptions) ->
     )
     if note:
         log.warning("expert cache budget %s", note)
-    staging = (
-        DeviceStaging(cuda_runtime.host_array, layer_copy.copier())
-        if cuda_runtime.device_slot_writes(options.tuning.slot_writes)
-        else None
-    )
+    device_writes = cuda_runtime.device_slot_writes(options.tuning.slot_writes)
+    staging = DeviceStaging(cuda_runtime.host_array) if device_writes else None
     slots = SlotCache(store, layout, budget_bytes, staging, POLICIES[options.eviction])
     whole = WholeLayerPrefill(
-        store, staging, slots.slot_count, slots.observe, options.tuning.prefill_whole_layer
+        store,
+        layer_copy.PinnedStaging() if device_writes else None,
+        slots.slot_count,
+        slots.observe,
+        options.tuning.prefill_whole_layer,
     )
     table: Optional[DeviceTable] = None
     if use_table(options.tuning) and table_layers(layout, slots.n_slots):
         table = DeviceTable(store, layout, slots, options)
         whole.reads.pinned.update(table.whole_layer_copies())
-    elif options.pin_experts:
+    elif options.pin_experts:  # asked for (None: the machine's choice, nothing to warn of)
         log.warning(
             "pin_experts: no layer is looked up by the device-side table (CUDA, a partial "
             "budget), so nothing is pinned"
