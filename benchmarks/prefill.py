@@ -61,7 +61,11 @@ from moeflux_mlx.errors import MoefluxError  # noqa: E402
 from moeflux_mlx.format.checkpoint import expert_layout  # noqa: E402
 from moeflux_mlx.io.bandwidth import drop_page_cache, expert_files  # noqa: E402
 from moeflux_mlx.measure import free_stem, machine_name, machine_tag  # noqa: E402
-from moeflux_mlx.options import DEFAULT_THREADS, DEFAULT_WARM_READ_THREADS  # noqa: E402
+from moeflux_mlx.options import (  # noqa: E402
+    DEFAULT_PREFILL_WHOLE_LAYER,
+    DEFAULT_THREADS,
+    DEFAULT_WARM_READ_THREADS,
+)
 from tests.support.tuning import tuned  # noqa: E402
 
 
@@ -249,17 +253,17 @@ class ReadLog:
         self._read = store.read
         store.read = self.read  # the caches read through the store itself
 
-    def read(self, layer, experts, out=None):
-        self.calls.append((layer, experts.copy()))
-        return self._read(layer, experts, out)
+    def read(self, layer, experts, out=None, whole=False):
+        self.calls.append((layer, experts.copy(), whole))
+        return self._read(layer, experts, out, whole)
 
     def replay_s(self, files, cold: bool) -> float:
         """Seconds the recorded reads take through the store alone (same mode, page cache)."""
         if cold:
             drop_page_cache(files)
         t0 = time.perf_counter()
-        for layer, experts in self.calls:
-            self._read(layer, experts)
+        for layer, experts, whole in self.calls:
+            self._read(layer, experts, whole=whole)
         return time.perf_counter() - t0
 
 
@@ -283,7 +287,8 @@ def _variant_name(args, io_mode, frac, whole, switches, threads, warm) -> str:
     name = f"moeflux {io_mode} {frac:.0%} whole={whole:g}"
     for arg, on, off in SWITCHES:
         if whole and len(getattr(args, arg)) > 1:
-            name += f" {on if switches[arg] else off}"
+            value = switches[arg]
+            name += f" {arg} auto" if value is None else f" {on if value else off}"
     if len(args.threads) > 1:
         name += f" {threads} threads"
     if len(args.warm_read_threads) > 1:
@@ -292,7 +297,7 @@ def _variant_name(args, io_mode, frac, whole, switches, threads, warm) -> str:
 
 
 def _switches(text: str):
-    return [{"on": True, "off": False}[v.strip().lower()] for v in text.split(",")]
+    return [{"on": True, "off": False, "auto": None}[v.strip().lower()] for v in text.split(",")]
 
 
 def _ints(text: str):
@@ -562,21 +567,23 @@ def main(argv=None) -> int:
         help="prompt tokens per forward pass, stock's too (default: each moeflux model's own, "
         "model.moeflux.prefill_step_size; stock runs at each such step)",
     )
-    p.add_argument("--io", type=io_list, default=["mmap"], help="mmap,pread (default: mmap)")
+    p.add_argument(
+        "--io", type=io_list, default=["auto"], help="auto,mmap,pread,direct (default: auto)"
+    )
     p.add_argument(
         "--prefill-whole-layer",
         type=_floats,
-        default=[4.0, 0.0],
-        help="values of Tuning.prefill_whole_layer to run side by side (default 4,0; 0: synced "
-        "path)",
+        default=[DEFAULT_PREFILL_WHOLE_LAYER],
+        help="values of Tuning.prefill_whole_layer to run side by side, e.g. 4,0 (0: the synced "
+        f"path; default {DEFAULT_PREFILL_WHOLE_LAYER:g}, the package's)",
     )
     p.add_argument(
         "--pin-experts",
         type=_switches,
-        default=[False],
-        help="on,off: the steps after the prompt have the GPU copy their misses out of the "
-        "page-locked expert files, or the miss server read them (the load option pin_experts; "
-        "default off, as the option's)",
+        default=[None],
+        help="on,off,auto: the GPU copies a prefill's layers and the later steps' misses out of "
+        "the page-locked expert files, or they are read (the load option pin_experts; default "
+        "auto, as the option's)",
     )
     p.add_argument(
         "--threads",

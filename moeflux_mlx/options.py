@@ -10,8 +10,10 @@ Plain Python: the miss server process imports it without MLX.
     MOEFLUX_EXPERT_IO     expert_io     auto | mmap | pread | direct
     MOEFLUX_BACKEND       backend       auto | ops | metal | cuda
     MOEFLUX_EVICTION      eviction      transition | lru
-    MOEFLUX_PIN_EXPERTS   pin_experts   0/off (default) | 1/on: CUDA: the GPU copies missed
-                                        experts out of the page-locked expert files
+    MOEFLUX_PIN_EXPERTS   pin_experts   auto (default) | 0/off | 1/on: CUDA: the GPU copies
+                                        missed experts and a prefill's layers out of the
+                                        page-locked expert files (auto: where they take at
+                                        most half of RAM)
 
 What the machine decides (read threads, whether the device-side table runs, how slots are
 written, the miss server's timings, when a prefill reads whole layers) is not an option: it is
@@ -56,6 +58,16 @@ def _switch(text: str) -> bool:
     raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE)}")
 
 
+def _auto_switch(text: str) -> Optional[bool]:
+    """``_switch``, or None for ``auto`` (the machine decides)."""
+    if str(text).strip().lower() == "auto":
+        return None
+    try:
+        return _switch(text)
+    except ValueError:
+        raise ValueError(f"expected auto or one of {', '.join(_TRUE + _FALSE)}") from None
+
+
 class _Choice:
     """One of ``allowed``, case-insensitive; ``lenient``: a bad value passes through unchanged
     (lower-cased) when read leniently, for a consumer that judges it itself."""
@@ -76,7 +88,7 @@ ENVIRONMENT: Dict[str, Tuple[str, Callable[[str], Any]]] = {
     "expert_io": ("MOEFLUX_EXPERT_IO", _Choice(IO_MODES, lenient=True)),
     "backend": ("MOEFLUX_BACKEND", _Choice(BACKENDS)),
     "eviction": ("MOEFLUX_EVICTION", _Choice(EVICTIONS)),
-    "pin_experts": ("MOEFLUX_PIN_EXPERTS", _switch),
+    "pin_experts": ("MOEFLUX_PIN_EXPERTS", _auto_switch),
 }
 
 
@@ -96,7 +108,7 @@ _ARGUMENTS: Dict[str, Callable[[Any], Any]] = {
     "expert_io": ENVIRONMENT["expert_io"][1],
     "backend": ENVIRONMENT["backend"][1],
     "eviction": ENVIRONMENT["eviction"][1],
-    "pin_experts": _switch,
+    "pin_experts": _auto_switch,
     "cache_budget": _check_budget,
     "tuning": _check_tuning,
 }
@@ -170,7 +182,9 @@ class LoadOptions:
         pin_experts: CUDA, device-side table: the expert files are mapped and page-locked in
             host RAM for the GPU (``cudaHostRegister``, read-only), and the GPU copies each
             missed expert, and a prefill's whole layers, straight out of them. The files stay
-            in RAM while the model is loaded, so they must fit in 0.75 x RAM.
+            in RAM while the model is loaded, so they must fit in 0.75 x RAM. None (auto): on
+            where the files take at most ``PIN_RAM_SHARE`` of RAM and fit in the memory
+            available.
         tuning: what the machine decides (``Tuning``); tests and benchmarks may set it.
     """
 
@@ -178,7 +192,7 @@ class LoadOptions:
     expert_io: str = "auto"
     backend: str = "auto"
     eviction: str = "transition"
-    pin_experts: bool = False
+    pin_experts: Optional[bool] = None
     tuning: Tuning = dataclasses.field(default_factory=Tuning)
 
     @classmethod

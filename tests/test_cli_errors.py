@@ -186,7 +186,7 @@ def test_max_tokens_zero_is_a_usage_error(command, models):
         ("MOEFLUX_EXPERT_IO", "banana", "info", "expected one of auto, mmap, pread, direct"),
         ("MOEFLUX_EXPERT_IO", "banana", "generate", "expected one of auto, mmap, pread, direct"),
         ("MOEFLUX_EVICTION", "fifo", "info", "expected one of transition, lru"),
-        ("MOEFLUX_PIN_EXPERTS", "maybe", "generate", "expected one of 1, on, true"),
+        ("MOEFLUX_PIN_EXPERTS", "maybe", "generate", "expected auto or one of 1, on, true"),
     ],
 )
 def test_bad_variable_is_one_line(models, var, value, command, expected):
@@ -231,11 +231,14 @@ def test_options_are_read_in_one_place(monkeypatch):
     with pytest.raises(OptionError, match="tuning="):
         LoadOptions.resolve(expert_io="mmap", tuning={"threads": 3})
     assert LoadOptions.resolve(expert_io="MMAP").expert_io == "mmap"
-    assert LoadOptions.resolve(expert_io="mmap").pin_experts is False  # off unless asked
+    assert LoadOptions.resolve(expert_io="mmap").pin_experts is None  # the machine decides
     monkeypatch.setenv("MOEFLUX_PIN_EXPERTS", "On")
     assert LoadOptions.resolve(expert_io="mmap").pin_experts is True
+    assert LoadOptions.resolve(expert_io="mmap", pin_experts=False).pin_experts is False  # the argument wins
+    monkeypatch.setenv("MOEFLUX_PIN_EXPERTS", "AUTO")
+    assert LoadOptions.resolve(expert_io="mmap").pin_experts is None
     monkeypatch.setenv("MOEFLUX_PIN_EXPERTS", "maybe")
-    with pytest.raises(OptionError, match="MOEFLUX_PIN_EXPERTS=maybe: expected one of"):
+    with pytest.raises(OptionError, match="MOEFLUX_PIN_EXPERTS=maybe: expected auto or one of"):
         LoadOptions.resolve(expert_io="mmap")
 
 

@@ -281,6 +281,33 @@ def test_pinning_more_than_ram_allows_fails_clearly(tiny_store, monkeypatch):
         PinnedExperts(store, layout.layers)
 
 
+def test_pinning_is_the_machine_s_choice_where_the_files_fit(tiny_store, monkeypatch):
+    """``pin_experts`` left to the machine pins where the files take at most half of RAM and
+    fit in the memory available, and says which held."""
+    store, layout = tiny_store
+    size = sum(
+        os.path.getsize(p)
+        for p in {p for i in layout.layers for p, _, _ in store.component_runs(i)}
+    )
+
+    def memory(total, available):
+        monkeypatch.setattr(
+            pinned_files.psutil,
+            "virtual_memory",
+            lambda: type("Memory", (), {"total": total, "available": available}),
+        )
+        return pinned_files.pin_by_default(store, layout.layers)
+
+    assert memory(2 * size, 2 * size) == (
+        True,
+        f"expert files {size / 1e9:.2f} GB <= 0.5 x RAM {2 * size / 1e9:.2f} GB",
+    )
+    pin, why = memory(2 * size - 1, 4 * size)
+    assert not pin and "> 0.5 x RAM" in why
+    pin, why = memory(4 * size, size)
+    assert not pin and "> the memory available" in why
+
+
 def test_a_failure_while_pinning_leaves_nothing_mapped(tiny_store, monkeypatch):
     """A layer that cannot be described after its files were mapped (and, on CUDA, registered)
     fails the pinning in one error, with every file closed again."""

@@ -183,8 +183,8 @@ LOAD_OPTIONS: Tuple[Tuple[str, Dict[str, Any]], ...] = (
         dict(
             action=argparse.BooleanOptionalAction,
             help="CUDA, device-side table: page-lock the expert files in RAM (they must fit in "
-            "0.75 x RAM) and have the GPU copy missed experts out of them (default: off; also "
-            "MOEFLUX_PIN_EXPERTS=0|1)",
+            "0.75 x RAM) and have the GPU copy missed experts and a prefill's layers out of them "
+            "(default: where they take at most half of RAM; also MOEFLUX_PIN_EXPERTS=auto|0|1)",
         ),
     ),
 )

@@ -19,7 +19,7 @@ import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import psutil
@@ -109,6 +109,46 @@ class _PinnedFile:
             pass
 
 
+# ``pin_experts`` auto pins where the expert files take at most this share of physical RAM (and
+# fit in the memory available): what stays is the model's, the KV cache's and the system's
+PIN_RAM_SHARE = 0.5
+
+
+def _runs(store: ExpertStore, layers: Iterable[int]):
+    """Each layer's component runs (layers without one run per expert left out), the files they
+    lie in, and the files' total bytes."""
+    found = {i: store.component_runs(i) for i in layers}
+    runs = {i: r for i, r in found.items() if r is not None}
+    paths = sorted({p for r in runs.values() for p, _, _ in r})
+    return runs, paths, sum(os.path.getsize(p) for p in paths)
+
+
+def pin_by_default(store: ExpertStore, layers: Iterable[int]) -> Tuple[bool, str]:
+    """Whether ``pin_experts`` left to the machine pins the expert files of ``layers``, and why:
+    they take at most ``PIN_RAM_SHARE`` of physical RAM and fit in the memory available.
+
+    Args:
+        store: the expert store.
+        layers: the layers the device-side table serves.
+
+    Returns:
+        ``(pin, why)``.
+    """
+    _, paths, total = _runs(store, layers)
+    mem = psutil.virtual_memory()
+    size, ram = (
+        f"expert files {total / 1e9:.2f} GB",
+        f"{PIN_RAM_SHARE:g} x RAM {mem.total / 1e9:.2f} GB",
+    )
+    if not paths:
+        return False, "no expert file holds each expert's components in one run"
+    if total > PIN_RAM_SHARE * mem.total:
+        return False, f"{size} > {ram}"
+    if total >= mem.available:
+        return False, f"{size} > the memory available, {mem.available / 1e9:.2f} GB"
+    return True, f"{size} <= {ram}"
+
+
 class PinnedExperts:
     """The expert files of ``layers``, page-locked for the GPU; ``sources[layer]`` says where
     each layer's experts lie. Layers whose components are not one run per expert (a
@@ -120,10 +160,7 @@ class PinnedExperts:
     """
 
     def __init__(self, store: ExpertStore, layers: Iterable[int]):
-        found = {i: store.component_runs(i) for i in layers}
-        runs = {i: r for i, r in found.items() if r is not None}
-        paths = sorted({p for r in runs.values() for p, _, _ in r})
-        total = sum(os.path.getsize(p) for p in paths)
+        runs, paths, total = _runs(store, layers)
         ram = psutil.virtual_memory().total
         if total > RAM_FRACTION * ram:
             raise DeviceSetupError(

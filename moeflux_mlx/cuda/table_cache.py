@@ -26,6 +26,7 @@ themselves are the ``SlotCache``'s: the table reads them, never replaces them.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -42,8 +43,10 @@ from ..options import LoadOptions
 from . import layer_copy, table_kernels
 from .control_block import HOST_ADMIT, HOST_RELEASE, MAX_SELECTIONS, ControlBlock, TableLayer
 from .miss_client import MissServer
-from .pinned_files import PinnedExperts
+from .pinned_files import PinnedExperts, pin_by_default
 from .runtime import PinnedBuffer
+
+log = logging.getLogger(__name__)
 
 
 def table_layers(layout: ModelLayout, n_slots: Dict[int, int]) -> Dict[int, Tuple[int, int]]:
@@ -135,7 +138,7 @@ class DeviceTable:
         # layer -> the same in its staging (None: not readable there), made on first use
         self._in_staging: Dict[int, Optional[InPlaceExperts]] = {}
         try:
-            if options.pin_experts:  # before any kernel is made: the layers' launches use them
+            if self._pins(options.pin_experts):  # before any kernel: the launches use them
                 self.pinned = PinnedExperts(store, self.control.layers)
                 for layer, sources in self.pinned.sources.items():
                     self.control.layers[layer].sources = sources
@@ -162,6 +165,15 @@ class DeviceTable:
         self._streams: List[mx.Stream] = []  # streams table calls were enqueued on
         self._last_table_out: Optional[mx.array] = None  # see resolve's ``after``
         self.enqueued = False  # whether a table call was enqueued since ``synchronize``
+
+    def _pins(self, asked: Optional[bool]) -> bool:
+        """Whether to pin the table layers' expert files: as asked, else where they fit
+        (``pinned_files.pin_by_default``)."""
+        if asked is not None:
+            return asked
+        pin, why = pin_by_default(self.store, self.control.layers)
+        log.info("pin_experts auto: %s (%s)", "on" if pin else "off", why)
+        return pin
 
     def whole_layer_copies(self) -> Dict[int, Callable[[], Dict[str, mx.array]]]:
         """A prefill's whole layer copied by the GPU out of the pinned files, never read."""
