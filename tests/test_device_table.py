@@ -138,7 +138,10 @@ def _greedy(model, prompt, n=24):
 
 def _load_streamed(packed, total, fraction=0.3, **options):
     """The model streaming from ``packed`` at ``fraction`` of its experts' bytes, pread, on the
-    ops path (bit-exact with stock); ``options``: load options and ``Tuning`` fields."""
+    ops path (bit-exact with stock); ``options``: load options and ``Tuning`` fields. The expert
+    files are read, not pinned, unless ``pin_experts`` says so (the machine would pin files
+    this small, and these tests are about the reads)."""
+    options.setdefault("pin_experts", False)
     return moeflux_mlx.load(
         packed,
         cache_budget=int(fraction * total),

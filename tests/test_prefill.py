@@ -68,8 +68,14 @@ def _budget(packed, fraction=0.25):
 
 def _load(packed, whole, fraction=0.25, writes=None, device_table=None, **kw):
     """The model at ``fraction`` of its experts with ``prefill_whole_layer=whole``, its slots
-    written ``writes`` (None: the machine's choice), through the device-side table or not."""
-    options = tuned(prefill_whole_layer=whole, slot_writes=writes, device_table=device_table)
+    written ``writes`` (None: the machine's choice), through the device-side table or not; its
+    expert files read, never pinned (these tests are about the reads)."""
+    options = tuned(
+        prefill_whole_layer=whole,
+        slot_writes=writes,
+        device_table=device_table,
+        pin_experts=False,
+    )
     return moeflux_mlx.load(packed, options=options, cache_budget=_budget(packed, fraction), **kw)[
         0
     ]
