@@ -54,6 +54,11 @@ class DecodeRun:
     sync_ms_per_token: float = 0.0  # waiting for router indices: device compute before them too
     io_ms_per_token: float = 0.0
     upload_ms_per_token: float = 0.0
+    # the store's first-read CRC-32 checks of a converted model's experts during the decode:
+    # their time (inside io ms/tok, but where a background read hides it) and bytes; the miss
+    # server's, in a process of its own, are not counted
+    checksum_ms_per_token: float = 0.0
+    checksum_mb_per_token: float = 0.0
     peak_memory_gb: float = 0.0
     tokens: List[int] = field(default_factory=list, repr=False)
 
@@ -189,15 +194,19 @@ def run_moeflux(
     rt = model.moeflux
     try:
         time_generation(model, prompt, WARM_UP_TOKENS)  # kernels, the allocator, the fills
+        checks_from = rt.store.checksum_cost()
 
         def on_first() -> None:  # the timed decode starts: its counters from zero
+            nonlocal checks_from
             rt.reset_stats()
+            checks_from = rt.store.checksum_cost()
             timing.start()
 
         with timing:
             mx.reset_peak_memory()
             rt.reset_stats()
             ptps, dtps, tokens, decode_s = time_generation(model, prompt, decode_tokens, on_first)
+            checks_to = rt.store.checksum_cost()
             rt.stats_dict()  # counts what the miss server read, if any
         t = rt.stats.total()
         n = max(len(tokens) - 1, 1)
@@ -215,6 +224,8 @@ def run_moeflux(
             sync_ms_per_token=1e3 * t.sync_s / n,
             io_ms_per_token=1e3 * t.io_s / n,
             upload_ms_per_token=1e3 * t.upload_s / n,
+            checksum_ms_per_token=1e3 * (checks_to[0] - checks_from[0]) / n,
+            checksum_mb_per_token=(checks_to[1] - checks_from[1]) / n / 1e6,
             peak_memory_gb=mx.get_peak_memory() / 1e9,
             tokens=tokens,
         )

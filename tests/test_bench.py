@@ -36,6 +36,8 @@ def test_bench_runs_against_stock_and_writes_results(tiny_checkpoints, tmp_path)
         assert r["ratio_to_stock"] == pytest.approx(r["decode_tps"] / runs[0]["decode_tps"])
     assert runs[1]["hit_rate"] == 1.0  # resident: every expert routed is a hit
     assert runs[2]["mb_read_per_token"] > 0 and 0 < runs[2]["hit_rate"] < 1
+    # a plain checkpoint records no checksums: nothing checked, nothing counted
+    assert [r["checksum_mb_per_token"] for r in runs] == [0, 0, 0]
     assert all(result["tokens_identical_to_stock"].values())
     assert set(result["tokens_identical_to_stock"]) == {
         f"{r['name']} {r['io_mode']} {r['budget']}" for r in runs[1:]

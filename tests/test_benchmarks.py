@@ -18,6 +18,7 @@ from moeflux_mlx import measure
 from moeflux_mlx.compute import backend as B
 from moeflux_mlx.compute import kernels as K
 from moeflux_mlx.compute.ops import OpsBackend
+from moeflux_mlx.format.checkpoint import expert_layout
 from moeflux_mlx.io import bandwidth
 
 
@@ -49,6 +50,22 @@ def test_benchmark_runs_and_writes_results(tiny_checkpoints, tmp_path):
     )
     assert by[("moeflux ops", "100%")]["cold_gb_s"] is None  # warm: the run-wide figure
     assert "prefetch_issued_per_token" not in cold  # prefetch is gone: no column for it
+    # checksums: each expert checked once, at its first read; the run's share from its own decode
+    total_mb = expert_layout(packed).total_expert_bytes / 1e6
+    resident = by[("moeflux ops", "100%")]
+    assert resident["checksum_since_load_mb"] == pytest.approx(total_mb)  # all, at the fill
+    assert resident["checksum_since_load_s"] > 0 and resident["checksum_mb_per_token"] == 0
+    assert resident["checksum_of_io"] is None and resident["checksum_of_decode"] == 0
+    assert 0 < cold["checksum_since_load_mb"] <= total_mb + 1e-9
+    # the decode's share leaves out what the warm-up and the timed prompt checked
+    assert cold["checksum_mb_per_token"] * cold["decode_tokens"] < cold["checksum_since_load_mb"]
+    assert cold["checksum_of_io"] == pytest.approx(
+        cold["checksum_ms_per_token"] / cold["io_ms_per_token"]
+    )
+    assert cold["checksum_of_decode"] == pytest.approx(
+        cold["checksum_ms_per_token"] * cold["decode_tps"] / 1e3
+    )
+    assert by[("stock mlx-lm", "-")]["checksum_since_load_mb"] is None
     assert result["sync_overhead_ms_per_layer"] is not None
     files = report.write_results(result, tmp_path, "t")
     assert json.loads(files[0].read_text())["runs"] == result["runs"]
@@ -56,6 +73,7 @@ def test_benchmark_runs_and_writes_results(tiny_checkpoints, tmp_path):
     assert (
         "| config | io | cache |" in md
         and "I/O bound tok/s" in md  # a research column, beyond the product's table
+        and "| CRC of io | CRC of decode |" in md
         and "identical to stock mlx-lm: 3/3" in md
     )
 

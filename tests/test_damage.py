@@ -108,6 +108,30 @@ def test_store_checks_each_expert_once(packed, monkeypatch):
         store.close()
 
 
+@pytest.mark.parametrize("io", ["mmap", "pread"])
+def test_store_counts_what_first_reads_cost_and_re_reads_nothing(packed, io):
+    store, _ = open_store(packed, io)
+    try:
+        size = store.layout(0).blob_size
+        assert store.checksum_cost() == (0.0, 0)
+        store.read(0, np.array([1, 5]))
+        s, nbytes = store.checksum_cost()
+        assert s > 0 and nbytes == 2 * size
+        store.read(0, np.array([1, 5, 6]))  # only expert 6 is new
+        s, nbytes = store.checksum_cost()
+        assert nbytes == 3 * size
+        one = np.empty(size, np.uint8)
+        store.read(0, np.array([1, 5, 6]))
+        store.read_one(0, 6, one)
+        assert store.checksum_cost() == (s, nbytes)  # re-reads of checked experts: no cost
+        store.read_one(0, 7, one)
+        store.read(1, np.array([0]))
+        assert store.checksum_cost()[1] == nbytes + size + store.layout(1).blob_size
+        assert store.checksum_cost()[0] > s
+    finally:
+        store.close()
+
+
 def test_plain_checkpoints_are_not_checked(source, tmp_path):
     plain = tmp_path / "plain"
     shutil.copytree(source, plain)
@@ -115,5 +139,6 @@ def test_plain_checkpoints_are_not_checked(source, tmp_path):
     try:
         assert store._unchecked == {}  # no recorded checksums: nothing to check against
         store.read(0, np.array([0, 1]))
+        assert store.checksum_cost() == (0.0, 0)
     finally:
         store.close()

@@ -84,6 +84,14 @@ class DecodeRun(measure.DecodeRun):
     disk_mb_per_token: Optional[float] = None
     # page_cache=SHARE: the most RAM the balloon held to leave the page cache that share
     ram_held_gb: Optional[float] = None
+    # the store's first-read CRC-32 checks during the timed decode: their share of its read
+    # time (io ms/tok; None: no read time) and of its decode time
+    checksum_of_io: Optional[float] = None
+    checksum_of_decode: Optional[float] = None
+    # every check since the model was loaded: the cache's fill, the warm-up and the timed
+    # prompt included (each expert is checked once, at its first read)
+    checksum_since_load_s: Optional[float] = None
+    checksum_since_load_mb: Optional[float] = None
 
     def label(self) -> str:
         return f"{super().label()} {self.lookup}"
@@ -182,6 +190,12 @@ class ColdTiming(measure.Timing):
         run.page_cache_mb = None if self.held is None else self.held / 1e6
         run.ram_held_gb = None if self.ram is None else self.ram.held_bytes / 1e9
         run.disk_mb_per_token = None if self.disk_bytes is None else self.disk_bytes / n / 1e6
+        if run.io_ms_per_token:
+            run.checksum_of_io = run.checksum_ms_per_token / run.io_ms_per_token
+        run.checksum_of_decode = run.checksum_ms_per_token * n / 1e3 / decode_s
+        checked_s, checked_bytes = rt.store.checksum_cost()
+        run.checksum_since_load_s = checked_s
+        run.checksum_since_load_mb = checked_bytes / 1e6
         bandwidth = self.bandwidth
         if self.around:
             self.around.append(cold_bandwidth(self.path))

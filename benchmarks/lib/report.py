@@ -25,6 +25,10 @@ COLUMNS = [
     ("hit_rate", "hit", "{:.0%}"),
     ("sync_ms_per_token", "sync ms/tok", "{:.2f}"),
     ("io_ms_per_token", "io ms/tok", "{:.2f}"),
+    ("checksum_of_io", "CRC of io", "{:.1%}"),
+    ("checksum_of_decode", "CRC of decode", "{:.1%}"),
+    ("checksum_since_load_mb", "CRC MB since load", "{:.1f}"),
+    ("checksum_since_load_s", "CRC s since load", "{:.3f}"),
     ("upload_ms_per_token", "upload ms/tok", "{:.2f}"),
     ("gpu_waits_per_token", "GPU waits/tok", "{:.2f}"),
     ("gpu_wait_ms_per_token", "GPU wait ms/tok", "{:.2f}"),
@@ -103,6 +107,16 @@ COLD_RUNS = {
 }
 
 
+CHECKSUMS = (
+    "CRC of io, CRC of decode: the time of the store's CRC-32 checks of experts read for the "
+    "first time, during the timed decode, as a share of its read time (io ms/tok, which holds "
+    "the checks of the reads it waited for; a whole layer read ahead in the background is "
+    "checked there) and of its decode time. CRC MB and s since load: every check since the "
+    "model was loaded, the cache's fill, the warm-up and the timed prompt included (each expert "
+    "is checked once, at its first read; plain checkpoints record no checksums: 0)."
+)
+
+
 def cold_runs(page_cache) -> str:
     """How the cold runs were cold (run_benchmark's ``page_cache``: a name, or a share)."""
     if isinstance(page_cache, str):
@@ -126,6 +140,7 @@ def write_results(result: dict, out_dir: Path, stem: str) -> List[Path]:
         "run uses its own cold figure (cold GB/s: the mean of the same measurement right before "
         "and right after its timed decode); other runs use this one.",
         cold_runs(result.get("page_cache", "dropped")),
+        CHECKSUMS,
     ]
     return measure.write_results(
         result, out_dir, stem, columns=COLUMNS, notes=notes, summary=summary_lines(result)

@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import threading
+import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -142,6 +143,11 @@ class ExpertStore:
         self._unchecked: Dict[int, np.ndarray] = {
             i: np.zeros(c.size, bool) for i, c in self._checksums.items()
         }
+        # what the checks have cost since the store opened: seconds computing and comparing
+        # CRC-32s, bytes checked (written by _check only, under _lock: the whole-layer fill
+        # thread and the miss server's read-ahead threads check too; checksum_cost reads the pair)
+        self.checksum_s = 0.0
+        self.checksum_bytes = 0
         if io_mode != "mmap":  # scattered reads of pieces (mmap keeps readahead: warm reuse)
             for src in layers.values():
                 for path, fd in src.file_descriptors().items():
@@ -282,7 +288,8 @@ class ExpertStore:
 
     def _check(self, layer: int, experts: np.ndarray, blobs: np.ndarray) -> None:
         """Check the experts of ``layer`` read for the first time against their recorded
-        CRC-32; mark them checked.
+        CRC-32; mark them checked; add the time taken and the bytes checked to ``checksum_s``
+        and ``checksum_bytes`` (a call that raises adds nothing).
 
         Raises:
             ExpertChecksumError: one's bytes are not those convert wrote.
@@ -290,8 +297,12 @@ class ExpertStore:
         checked = self._unchecked.get(layer)
         if checked is None:
             return
+        todo = np.flatnonzero(~checked[experts])
+        if not todo.size:
+            return
         want = self._checksums[layer]
-        for i in np.flatnonzero(~checked[experts]):
+        t0 = time.perf_counter()
+        for i in todo:
             e = int(experts[i])
             got = zlib.crc32(blobs[i])
             if got != int(want[e]):
@@ -303,8 +314,16 @@ class ExpertStore:
                     "rewrite it"
                 )
             checked[e] = True
+        with self._lock:
+            self.checksum_s += time.perf_counter() - t0
+            self.checksum_bytes += int(todo.size) * blobs[0].nbytes
         if checked.all():
             self._unchecked.pop(layer, None)
+
+    def checksum_cost(self) -> Tuple[float, int]:
+        """``(checksum_s, checksum_bytes)``: what the first-read checks have cost so far."""
+        with self._lock:
+            return self.checksum_s, self.checksum_bytes
 
     def read_one(self, layer: int, e: int, out: np.ndarray) -> None:
         """Expert ``e`` of ``layer`` into ``out`` (``[blob_size]`` uint8), in the calling thread,
