@@ -234,7 +234,8 @@ def test_options_are_read_in_one_place(monkeypatch):
     assert LoadOptions.resolve(expert_io="mmap").pin_experts is None  # the machine decides
     monkeypatch.setenv("MOEFLUX_PIN_EXPERTS", "On")
     assert LoadOptions.resolve(expert_io="mmap").pin_experts is True
-    assert LoadOptions.resolve(expert_io="mmap", pin_experts=False).pin_experts is False  # the argument wins
+    # the argument wins over the variable
+    assert LoadOptions.resolve(expert_io="mmap", pin_experts=False).pin_experts is False
     monkeypatch.setenv("MOEFLUX_PIN_EXPERTS", "AUTO")
     assert LoadOptions.resolve(expert_io="mmap").pin_experts is None
     monkeypatch.setenv("MOEFLUX_PIN_EXPERTS", "maybe")
