@@ -311,6 +311,40 @@ def test_pinning_is_the_machine_s_choice_where_the_files_fit(tiny_store, monkeyp
     assert not pin and "> the memory available" in why
 
 
+def test_pinned_layers_are_checked_against_their_checksums_once(tiny_checkpoints, tmp_path):
+    """What the GPU copies out of pinned files never goes through the store's reads, so pinning
+    checks every converted expert's CRC-32 at once: intact, nothing is left to check; one byte
+    changed, the pinning fails naming the file, layer and expert, with nothing mapped."""
+    import shutil
+
+    from moeflux_mlx.errors import ExpertChecksumError
+
+    _, packed = tiny_checkpoints["qwen3_moe"]
+    store, layout = open_store(packed, "pread")
+    try:
+        pinned = PinnedExperts(store, layout.layers)
+        pinned.close()
+        assert not store._unchecked and store.checksum_cost()[1] == layout.total_expert_bytes
+    finally:
+        store.close()
+    damaged = tmp_path / "damaged"
+    shutil.copytree(packed, damaged)
+    layer = sorted(layout.layers)[1]
+    blob = layout.layers[layer].blob_size
+    target = next((damaged / "packed_experts").glob(f"*{layer:02d}*"))
+    with open(target, "r+b") as f:  # expert 3's first byte, same size
+        f.seek(3 * blob)
+        first = f.read(1)
+        f.seek(3 * blob)
+        f.write(bytes([first[0] ^ 0xFF]))
+    store, layout = open_store(damaged, "pread")
+    try:
+        with pytest.raises(ExpertChecksumError, match=f"layer {layer}, expert 3"):
+            PinnedExperts(store, layout.layers)
+    finally:
+        store.close()
+
+
 def test_a_failure_while_pinning_leaves_nothing_mapped(tiny_store, monkeypatch):
     """A layer that cannot be described after its files were mapped (and, on CUDA, registered)
     fails the pinning in one error, with every file closed again."""

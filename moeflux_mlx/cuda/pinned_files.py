@@ -17,6 +17,7 @@ import ctypes
 import logging
 import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -183,6 +184,7 @@ class PinnedExperts:
                         for (p, off, stride), c in zip(layer_runs, layout.components)
                     ],
                 )
+            self._check(store, runs)
         except BaseException:  # nothing stays registered
             self.close()
             raise
@@ -192,6 +194,27 @@ class PinnedExperts:
             total / 1e9,
             len(self.sources),
         )
+
+    def _check(self, store: ExpertStore, runs: Dict[int, List[Tuple[Path, int, int]]]) -> None:
+        """Each layer whose experts lie whole and in order in one file (a converted layer, the
+        ones with recorded checksums) checked against its CRC-32s once, here, on every core:
+        nothing the GPU copies out of the files goes through the store's reads.
+
+        Raises:
+            ExpertChecksumError: an expert's bytes are not those convert wrote.
+        """
+        jobs = []
+        for i, layer_runs in runs.items():
+            layout = store.layout(i)
+            path, offset, stride = layer_runs[0]
+            base = offset - layout.components[0].offset
+            if stride != layout.blob_size or base < 0:
+                continue
+            blobs = self.files[path].array[base : base + layout.num_experts * stride]
+            jobs.append((i, blobs.reshape(layout.num_experts, stride)))
+        if jobs:  # zlib lets go of the GIL: one thread a core
+            with ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
+                list(pool.map(lambda job: store.check_layer(*job), jobs))
 
     def close(self) -> None:
         for src in self.sources.values():  # drop the views, so the files unmap at once

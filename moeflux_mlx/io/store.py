@@ -320,6 +320,18 @@ class ExpertStore:
         if checked.all():
             self._unchecked.pop(layer, None)
 
+    def check_layer(self, layer: int, blobs: np.ndarray) -> None:
+        """Check every expert of ``layer`` not checked yet against its recorded CRC-32, in
+        ``blobs`` (the layer's ``[n, blob_size]`` bytes as they lie, e.g. a mapping of its
+        packed file): what the GPU copies straight out of the files (``pin_experts``) is never
+        read through the store. Safe from several threads for different layers.
+
+        Raises:
+            ExpertChecksumError: one's bytes are not those convert wrote.
+        """
+        if layer in self._unchecked:
+            self._check(layer, np.arange(len(blobs)), blobs)
+
     def checksum_cost(self) -> Tuple[float, int]:
         """``(checksum_s, checksum_bytes)``: what the first-read checks have cost so far."""
         with self._lock:
