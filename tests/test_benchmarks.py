@@ -553,3 +553,22 @@ def test_prefill_bound_takes_the_slower_rate_and_names_it():
     assert copy_rate.bound(2e9, (4e9, "memcpy"), 8e9)[2] == "memcpy"
     rate, what = copy_rate.copy_rate(1 << 20, rounds=1)
     assert rate > 0 and what == "memcpy"  # the CPU backend (tests run there)
+
+
+def test_transfer_benchmark_times_each_read_of_a_layer(tiny_checkpoints, tmp_path, capsys):
+    """On the CPU the transfer benchmark times the reads only (no device copies): each thread
+    count's preads and the mapping's copy, every row one layer's bytes at a positive rate, in
+    the table printed and the files written."""
+    tr = _benchmark_script("transfer")
+    _, packed = tiny_checkpoints["qwen3_moe"]
+    out = tmp_path / "out"
+    argv = [str(packed), "--threads", "1,2", "--rounds", "1", "--out", str(out)]
+    assert tr.main(argv) == 0
+    result = json.loads(next(out.glob("*-transfer.json")).read_text())
+    layer = expert_layout(packed).layers[result["layer"]]
+    ways = [r["way"] for r in result["rows"]]
+    assert ways == ["pread x1 -> plain", "pread x2 -> plain", "mmap x1 -> plain"]
+    for row in result["rows"]:
+        assert row["bytes"] == layer.layer_bytes and row["gb_s"] > 0
+    assert "pread x2 -> plain" in capsys.readouterr().out
+    assert "pread x2" in next(out.glob("*-transfer.md")).read_text()

@@ -83,7 +83,9 @@ def machine_choices(tuning: Tuning) -> List[Tuple[str, str]]:
         ),
         (
             "whole-layer prefill",
-            f"from {tuning.prefill_whole_layer:g} routed rows per expert, the next layer read ahead"
+            f"from {tuning.prefill_whole_layer:g} routed rows per expert, on every read thread, "
+            "the next layer read ahead"
+            + (" into two page-locked layer buffers" if device_writes else "")
             if tuning.prefill_whole_layer > 0
             else "never",
         ),
