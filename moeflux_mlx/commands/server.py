@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import errno
 import gc
 import io
@@ -113,6 +114,18 @@ DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 DEFAULT_MAX_CONNECTIONS = 64
 IDLE_TIMEOUT_S = 60  # a client silent this long (request unsent, reply unread) is dropped
 IDLE_CLEAR_S = 2.0  # with no connection open this long, MLX's buffer cache is given back
+
+
+def _trim_heap() -> None:
+    """Give the C heap's free pages back to the system where the C library can (glibc's
+    ``malloc_trim``): each connection thread frees into an arena of its own, which glibc keeps
+    (the load test's idle server, demo model, 2-core CPU: 178 MiB with it, 317-520 without)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim this way
+        pass
+
+
 FALLBACK_CONTEXT = 32768  # prompts and sizes where config.json gives no context length
 API_KEY_VARIABLE = "MOEFLUX_API_KEY"
 # Hugging Face tokenizers are not safe to call from two threads at once: the handlers (counting
@@ -1035,11 +1048,13 @@ class StreamingHTTPServer(ThreadingHTTPServer):
                     timer.start()
 
     def _clear_if_idle(self) -> None:
-        """MLX keeps the buffers of finished requests for reuse; with no connection open for
-        ``IDLE_CLEAR_S`` they go back to the system (a later request allocates anew)."""
+        """MLX keeps the buffers of finished requests for reuse, and the C heap keeps what the
+        connection threads freed; with no connection open for ``IDLE_CLEAR_S`` both go back to
+        the system (a later request allocates anew)."""
         with self._count_lock:
             if self._open == 0:
                 mx.clear_cache()
+                _trim_heap()
 
     def handle_error(self, request, client_address) -> None:
         error = sys.exc_info()[1]
