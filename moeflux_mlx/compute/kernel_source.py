@@ -4,6 +4,7 @@ device-side table (``cuda.table_kernels``)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, List, Protocol, Sequence, cast
@@ -51,6 +52,12 @@ def as_kernel(made: object) -> Kernel:
     if not callable(made):
         raise TypeError(f"not a kernel: {made!r}")
     return cast(Kernel, made)
+
+
+def text_digest(header: str, body: str) -> str:
+    """Ten hex digits of a kernel's text, for its name: MLX caches compiled kernels by name (on
+    disk, for CUDA), so a changed text must change the name."""
+    return hashlib.sha1((header + "\0" + body).encode()).hexdigest()[:10]
 
 
 def load_source(name: str) -> str:

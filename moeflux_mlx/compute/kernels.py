@@ -33,7 +33,7 @@ from mlx_lm.models.switch_layers import SwiGLU
 from ..cache.pool import MX_DTYPES, ExpertPool, InPlaceExperts
 from ..format.layout import ExpertLayout, Quantization
 from . import selfcheck
-from .kernel_source import COMMON, ENTRY, PRELUDE, Kernel, as_kernel, load_source
+from .kernel_source import COMMON, ENTRY, PRELUDE, Kernel, as_kernel, load_source, text_digest
 from .ops import is_plain_swiglu
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ def kernel_text(kind: str, dialect: str, variant: str = "plain") -> Tuple[str, s
 def kernel_name(kind: str, dialect: str, variant: str = "plain") -> str:
     """Names carry a hash of the text: MLX caches compiled kernels by name (on disk, for CUDA)."""
     header, body = kernel_text(kind, dialect, variant)
-    digest = hashlib.sha1((header + "\0" + body).encode()).hexdigest()[:10]
+    digest = text_digest(header, body)
     return f"moeflux_{kind}_{variant}_{digest}" if kind == "combine" else f"moeflux_{kind}_{digest}"
 
 
@@ -145,8 +145,7 @@ def _kernel(
         name = kernel_name(kind, dialect, variant)
         if broken:
             header, body = _break_text(broken, header, body)
-            digest = hashlib.sha1((header + "\0" + body).encode()).hexdigest()[:10]
-            name = f"moeflux_{kind}_broken_{broken}_{digest}"
+            name = f"moeflux_{kind}_broken_{broken}_{text_digest(header, body)}"
         inputs = _COMBINE_VARIANTS[variant][0] if kind == "combine" else _INPUTS[kind]
         if kind != "combine" and dialect == "cuda":
             inputs = inputs + _CUDA_EXTRA

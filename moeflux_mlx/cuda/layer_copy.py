@@ -13,13 +13,12 @@ copy kernel would take every SM and the computation beside it would wait.
 from __future__ import annotations
 
 import functools
-import hashlib
 from typing import Dict, List, Optional
 
 import mlx.core as mx
 import numpy as np
 
-from ..compute.kernel_source import load_source
+from ..compute.kernel_source import load_source, text_digest
 from ..format.layout import ExpertLayout
 from . import runtime
 from .pinned_files import LayerSources
@@ -76,9 +75,8 @@ def _kernel(word: int):
         f"#define MF_DEPTH {DEPTH}\n#define MF_WORD {_WORDS[word]}\n#define MF_WORD_BYTES {word}\n"
     )
     body = load_source("pinned_copy_cuda.cuh")
-    digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
     return mx.fast.cuda_kernel(
-        name=f"moeflux_pinned_copy_{digest}",
+        name=f"moeflux_pinned_copy_{text_digest(header, body)}",
         input_names=["meta"],
         output_names=["out"],
         source=body,

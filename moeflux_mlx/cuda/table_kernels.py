@@ -26,7 +26,6 @@ inside ``mx.async_eval`` while holding the GIL, for the whole of the GPU's wait
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, Optional
@@ -34,7 +33,7 @@ from typing import TYPE_CHECKING, Dict, Optional
 import mlx.core as mx
 import numpy as np
 
-from ..compute.kernel_source import Kernel, as_kernel, load_source
+from ..compute.kernel_source import Kernel, as_kernel, load_source, text_digest
 from ..format.layout import ExpertLayout
 from .control_block import (
     FAULT_INDEX,
@@ -128,7 +127,7 @@ def _header(wait_s: float) -> str:
 
 
 def _named(kind: str, header: str, body: str) -> str:
-    return f"moeflux_{kind}_{hashlib.sha1((header + body).encode()).hexdigest()[:10]}"
+    return f"moeflux_{kind}_{text_digest(header, body)}"
 
 
 @functools.cache
