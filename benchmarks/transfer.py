@@ -10,17 +10,15 @@ one layer's bytes, page cache warm, best of ``--rounds`` after a warm-up:
 
 - reads: the store's parallel preads with 1..16 threads into plain and into page-locked memory,
   and one thread copying out of a mapping (what ``expert_io=mmap`` did);
-- copies (CUDA): the copy kernel out of page-locked staging and out of the page-locked expert
-  files (``pin_experts``) with several block counts, out of host-advised managed memory
-  (``host_array``), the copy engine (``cudaMemcpyAsync``) into a device-resident MLX array, and
-  ``mx.array(numpy)``;
-- overlap (CUDA): a matmul load on the default stream alone, the kernel copy alone, and both.
+- copies (CUDA): the copy engine (``cuda.layer_copy.copy_layer``, what a prefill uses) out of
+  page-locked staging and out of the page-locked expert files (``pin_experts``), and
+  ``mx.array(numpy)`` from pageable memory;
+- overlap (CUDA): a matmul load on the default stream alone, the copy engine alone, and both.
 
 Prints a table and writes ``DATE-MACHINE-transfer.{md,json}`` to ``--out``.
 """
 
 import argparse
-import ctypes
 import json
 import sys
 import time
@@ -34,7 +32,6 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.lib.cli import add_model_args, benchmark_model  # noqa: E402
-from moeflux_mlx.cache.pool import host_view  # noqa: E402
 from moeflux_mlx.commands.common import main_for  # noqa: E402
 from moeflux_mlx.io.store import open_store  # noqa: E402
 from moeflux_mlx.measure import free_stem, machine_name, machine_tag  # noqa: E402
@@ -52,42 +49,6 @@ def _best(fn, rounds: int) -> float:
 
 def _cuda() -> bool:
     return hasattr(mx, "cuda") and mx.cuda.is_available() and mx.default_device() == mx.gpu
-
-
-class _Dma:
-    """The copy engine through ctypes: a stream of its own and ``cudaMemcpyAsync``."""
-
-    def __init__(self):
-        from moeflux_mlx.cuda.runtime import _cudart
-
-        self.lib, self.major = _cudart()
-        self.stream = ctypes.c_void_p()
-        err = self.lib.cudaStreamCreateWithFlags(ctypes.byref(self.stream), 1)
-        assert not err, f"cudaStreamCreateWithFlags: {err}"
-
-    def copy(self, dst: int, src: int, nbytes: int) -> None:
-        err = self.lib.cudaMemcpyAsync(
-            ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes), 4, self.stream
-        )
-        assert not err, f"cudaMemcpyAsync: {err}"
-
-    def sync(self) -> None:
-        err = self.lib.cudaStreamSynchronize(self.stream)
-        assert not err, f"cudaStreamSynchronize: {err}"
-
-    def to_device(self, ptr: int, nbytes: int) -> int:
-        """Advise managed memory to live on device 0 and move it there; the error code."""
-        from moeflux_mlx.cuda.runtime import _location
-
-        p, n = ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes)
-        if self.major == "12":
-            a = self.lib.cudaMemAdvise(p, n, 3, ctypes.c_int(0))
-            b = self.lib.cudaMemPrefetchAsync(p, n, ctypes.c_int(0), self.stream)
-        else:
-            a = self.lib.cudaMemAdvise(p, n, 3, _location(False, 0))
-            b = self.lib.cudaMemPrefetchAsync(p, n, _location(False, 0), 0, self.stream)
-        self.sync()
-        return a or b
 
 
 def reads(store_path: Path, layer: int, threads_list, rounds: int, pinned) -> list:
@@ -117,10 +78,9 @@ def reads(store_path: Path, layer: int, threads_list, rounds: int, pinned) -> li
     return rows
 
 
-def copies(store_path: Path, layer: int, blocks_list, rounds: int, pinned) -> list:
+def copies(store_path: Path, layer: int, rounds: int, pinned) -> list:
     from moeflux_mlx.cuda import layer_copy
     from moeflux_mlx.cuda.pinned_files import LayerSources, PinnedExperts
-    from moeflux_mlx.cuda.runtime import host_array
 
     store, _ = open_store(store_path, io_mode="pread", threads=8)
     rows = []
@@ -143,63 +103,42 @@ def copies(store_path: Path, layer: int, blocks_list, rounds: int, pinned) -> li
         )
         files = PinnedExperts(store, [layer])
         try:
-            for blocks in blocks_list:
-                layer_copy.LAYER_COPY_BLOCKS = blocks
-                for name, src in (
-                    ("page-locked staging", staging),
-                    ("pinned files", files.sources[layer]),
-                ):
-                    s = _best(
-                        lambda s=src: mx.eval(list(layer_copy.copy_pinned(s, lay).values())), rounds
-                    )
-                    row(f"kernel from {name}, {blocks} blocks", s)
-                managed = host_array((nbytes,))
-                host_view(managed).reshape(-1)[:] = pinned.array[:nbytes]
-                staged = managed.reshape(n, size)
-                s = _best(
-                    lambda s=staged: mx.eval(list(layer_copy.copy_layer(s, lay).values())), rounds
-                )
-                row(f"kernel from host_array (managed), {blocks} blocks", s)
+            for name, src in (
+                ("page-locked staging", staging),
+                ("pinned files", files.sources[layer]),
+            ):
+                s = _best(lambda s=src: layer_copy.copy_layer(s, lay), rounds)
+                row(f"copy engine from {name}", s)
+            got = layer_copy.copy_layer(staging, lay)
+            same = all(
+                np.array_equal(np.array(got[c.name]), rows_)
+                for c, rows_ in zip(lay.components, staging.rows)
+            )
+            t = _best(lambda: mx.eval([a.sum() for a in got.values()]), rounds)
+            row("device reads the engine's arrays after (sum)", t, f"bytes equal: {same}")
         finally:
             files.close()
-            layer_copy.LAYER_COPY_BLOCKS = 16
-
-        dma = _Dma()
-        dst = mx.zeros((nbytes,), mx.uint8)
-        mx.eval(dst)
-        ptr = host_view(dst.reshape(1, -1)).ctypes.data  # managed from here on
-        err = dma.to_device(ptr, nbytes)
-
-        def engine():
-            dma.copy(ptr, pinned.device_ptr, nbytes)
-            dma.sync()
-
-        row("copy engine, page-locked -> managed MLX array", _best(engine, rounds), f"advise {err}")
-        check = np.frombuffer(memoryview(dst[:4096]), np.uint8)
-        same = bool(np.array_equal(check, pinned.array[:4096]))
-        t = _best(lambda: mx.eval(dst.sum()), rounds)
-        row("device reads the engine's array after (sum)", t, f"bytes equal: {same}")
         ref = mx.ones((nbytes,), mx.uint8)
         mx.eval(ref)
         row("device reads a device array (sum)", _best(lambda: mx.eval(ref.sum()), rounds))
         plain = np.array(pinned.array[:nbytes])
         row("mx.array(numpy), pageable", _best(lambda: mx.eval(mx.array(plain) + 0), rounds))
 
-        # overlap: a compute load on the default stream beside the kernel copy on another stream
+        # overlap: a matmul load on the default stream, then the copy engine beside it
         a = mx.random.normal((8192, 8192)).astype(mx.bfloat16)
         mx.eval(a)
-        copy_stream = mx.new_stream(mx.default_device())
 
-        def compute():
-            return [a @ a for _ in range(6)]
+        def both():
+            out = [a @ a for _ in range(6)]
+            mx.async_eval(out)
+            layer_copy.copy_layer(staging, lay)
+            mx.eval(out)
 
-        def kernel():
-            with mx.stream(copy_stream):
-                return list(layer_copy.copy_pinned(staging, lay).values())
-
-        row("overlap: compute alone", _best(lambda: mx.eval(compute()), rounds))
-        row("overlap: kernel copy alone", _best(lambda: mx.eval(kernel()), rounds))
-        row("overlap: both", _best(lambda: mx.eval(compute() + kernel()), rounds))
+        row("overlap: compute alone", _best(lambda: mx.eval([a @ a for _ in range(6)]), rounds))
+        row(
+            "overlap: copy engine alone", _best(lambda: layer_copy.copy_layer(staging, lay), rounds)
+        )
+        row("overlap: both", _best(both, rounds))
     finally:
         store.close()
     return rows
@@ -218,7 +157,7 @@ def run(args) -> dict:
         pinned = PinnedBuffer(lay.num_experts * lay.blob_size)
     rows = reads(Path(path), args.layer, args.threads, args.rounds, pinned)
     if pinned is not None:
-        rows += copies(Path(path), args.layer, args.blocks, args.rounds, pinned)
+        rows += copies(Path(path), args.layer, args.rounds, pinned)
     for r in rows:
         r["gb_s"] = r["bytes"] / r["s"] / 1e9
     return {
@@ -252,9 +191,6 @@ def main(argv=None) -> int:
     parser.add_argument("--layer", type=int, default=0)
     parser.add_argument(
         "--threads", type=lambda t: [int(v) for v in t.split(",")], default=[1, 4, 8, 16]
-    )
-    parser.add_argument(
-        "--blocks", type=lambda t: [int(v) for v in t.split(",")], default=[16, 64, 264]
     )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--machine", default=None)

@@ -383,11 +383,12 @@ def test_a_read_ahead_that_cannot_be_queued_is_read_by_its_call(tiny, monkeypatc
     [((37, 24, 10), "BF16"), ((37, 3, 5), "F16"), ((37, 2, 1), "F32")],  # 16-, 2-, 8-byte rows
 )
 def test_layer_copy_copies_every_component(shape, dtype):
-    """``PinnedStaging`` (CUDA: page-locked, copied by the kernel on a few blocks, with the
-    widest load the rows allow) gives each component's bytes of every expert, padding left out,
-    for any block count, and reuses its buffers; without CUDA, the same through host rows."""
+    """``PinnedStaging`` (CUDA: page-locked, copied by the copy engine, each component a strided
+    copy out of the packed rows) gives each component's bytes of every expert, padding left
+    out, and reuses its buffers; ``copy_layer`` copies contiguous sources (the pinned files'
+    components) the same way; without CUDA, the same through host rows."""
     from moeflux_mlx.cuda import layer_copy
-    from moeflux_mlx.cuda import runtime as cuda_runtime
+    from moeflux_mlx.cuda.pinned_files import LayerSources
     from moeflux_mlx.format.layout import ExpertLayout
 
     n = shape[0]
@@ -400,33 +401,32 @@ def test_layer_copy_copies_every_component(shape, dtype):
         None,
     )
     staging = layer_copy.PinnedStaging()
-    blocks = (1, 3, 16) if cuda_runtime.table_available() else (16,)
     try:
-        for turn, count in enumerate(blocks):
+        for turn in range(3):
             rows = np.random.default_rng(turn).integers(0, 256, (n, layout.blob_size), np.uint8)
             staging.buffer(turn % 2, n, layout.blob_size)[:] = rows
-            layer_copy.LAYER_COPY_BLOCKS, was = count, layer_copy.LAYER_COPY_BLOCKS
-            try:
-                got = staging.copy(turn % 2, layout)
-                mx.eval(list(got.values()))
-            finally:
-                layer_copy.LAYER_COPY_BLOCKS = was
+            got = staging.copy(turn % 2, layout)
             for c in layout.components:
                 want = rows[:, c.offset : c.offset + c.nbytes]
-                assert np.array_equal(np.array(got[c.name]), want), (count, c.name)
+                assert np.array_equal(np.array(got[c.name]), want), (turn, c.name)
         assert staging.nbytes <= 2 * n * layout.blob_size
+        # contiguous components, as the pinned files hold them: one page-locked run each
+        buf = staging.buffer(0, n, layout.blob_size).reshape(-1)
+        rng = np.random.default_rng(9)
+        buf[:] = rng.integers(0, 256, buf.size, np.uint8)
+        base = staging._bufs[0].device_ptr
+        at, ptrs, parts = 0, [], []
+        for c in layout.components:
+            ptrs.append(base + at if base else 0)
+            parts.append(buf[at : at + n * c.nbytes].reshape(n, c.nbytes))
+            at += n * c.nbytes
+        sources = LayerSources(ptrs, [c.nbytes for c in layout.components], parts)
+        got = layer_copy.copy_layer(sources, layout)
+        for c, want in zip(layout.components, parts):
+            assert np.array_equal(np.array(got[c.name]), want), c.name
     finally:
         staging.close()
     assert staging.nbytes == 0
-
-
-def test_the_copy_loads_the_widest_word_that_fits():
-    from moeflux_mlx.cuda.layer_copy import word_bytes
-
-    assert word_bytes(4096, 512, 1024) == 16
-    assert word_bytes(4096 + 8, 512, 1024) == 8
-    assert word_bytes(4096, 30, 60) == 2
-    assert word_bytes(4097, 512, 512) == 1
 
 
 @contextlib.contextmanager

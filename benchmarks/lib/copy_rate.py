@@ -1,9 +1,9 @@
 """What moving a prefill's expert bytes alone would cost on this machine, measured in the run
 that the prefill benchmark (``benchmarks/prefill.py``) holds its prefills against.
 
-The copy rate is the one a whole-layer read ends in (``cache.whole_layer``): on CUDA, the GPU
-copying out of host-resident memory mapped for it (``cuda.runtime.host_array``, what the
-whole-layer staging is); on another GPU (Metal), an ``mx.array`` made from a numpy buffer and
+The copy rate is the one a whole-layer read ends in (``cache.whole_layer``): on CUDA, the copy
+engine out of page-locked memory (``cuda.layer_copy.copy_layer``, as from the whole-layer
+staging or the pinned expert files); on another GPU (Metal), an ``mx.array`` made from a numpy buffer and
 evaluated on the device; on the CPU backend, a memcpy. Each on a buffer of one layer's bytes (a
 layer is what a prefill reads at once), best of a few rounds after a warm-up. The disk's rate,
 for cold runs, is ``io.bandwidth.read_bandwidth``'s cold pass (the store's own reads).
@@ -33,12 +33,30 @@ def _best_rate(nbytes: int, once: Callable[[], None], rounds: int) -> float:
     return nbytes / max(best, 1e-9)
 
 
-def _cuda_host_array(nbytes: int) -> Optional[mx.array]:
+def _cuda_copy(nbytes: int) -> Optional[Callable[[], None]]:
+    """A layer of ``nbytes`` (fc1/fc2 halves of one expert) copied by ``layer_copy.copy_layer``
+    out of a page-locked buffer, as a prefill's whole layers are; None without CUDA's runtime."""
     if not (hasattr(mx, "cuda") and mx.cuda.is_available() and mx.default_device() == mx.gpu):
         return None
-    from moeflux_mlx.cuda.runtime import cuda_runtime_available, host_array
+    from moeflux_mlx.cuda import layer_copy
+    from moeflux_mlx.cuda.pinned_files import LayerSources
+    from moeflux_mlx.cuda.runtime import PinnedBuffer, cuda_runtime_available
+    from moeflux_mlx.format.layout import ExpertLayout
 
-    return host_array((nbytes,)) if cuda_runtime_available() else None
+    if not cuda_runtime_available():
+        return None
+    half = nbytes // 4 * 2  # bytes of each of two BF16 components
+    layout = ExpertLayout.from_tensors(
+        {"fc1.weight": ("BF16", (1, half // 2)), "fc2.weight": ("BF16", (1, half // 2))}, None
+    )
+    buf = PinnedBuffer(layout.blob_size)
+    rows = buf.array[: layout.blob_size].reshape(1, -1)
+    sources = LayerSources(
+        [buf.device_ptr + c.offset for c in layout.components],
+        [layout.blob_size] * len(layout.components),
+        [rows[:, c.offset : c.offset + c.nbytes] for c in layout.components],
+    )
+    return lambda: mx.eval(list(layer_copy.copy_layer(sources, layout).values()))
 
 
 def copy_rate(nbytes: int, rounds: int = 5) -> Tuple[float, str]:
@@ -47,15 +65,10 @@ def copy_rate(nbytes: int, rounds: int = 5) -> Tuple[float, str]:
     device here."""
     n = int(min(max(nbytes, MIN_COPY_BYTES), MAX_COPY_BYTES))
     if mx.default_device() == mx.gpu:
-        staged = _cuda_host_array(n)
-        if staged is not None:
-            zero = mx.array(0, mx.uint8)
-
-            def from_host() -> None:  # the GPU reads the host memory, writes its own
-                mx.eval(staged + zero)
-
-            rate = _best_rate(n, from_host, rounds)
-            return rate, "host-to-device copy from host-mapped memory (host_array)"
+        engine = _cuda_copy(n)
+        if engine is not None:
+            rate = _best_rate(n, engine, rounds)
+            return rate, "the copy engine out of page-locked memory (layer_copy.copy_layer)"
         src = np.ones(n, np.uint8)
 
         def pageable() -> None:

@@ -80,10 +80,6 @@ class SlotTable(Protocol):
         token (their indices, in order), or None (not the table's: the host-synced path)."""
         ...
 
-    def whole_layer_copies(self) -> Dict[int, Callable[[], Dict[str, mx.array]]]:
-        """Layers a prefill copies out of pinned files rather than reads: layer -> copier."""
-        ...
-
     def check(self) -> None: ...
 
     def settle(self, stats: Stats) -> None: ...
@@ -92,8 +88,8 @@ class SlotTable(Protocol):
 
 
 class LayerStaging(Protocol):
-    """Host buffers the GPU reads in place, that a prefill's whole layers are read into
-    (``cuda.layer_copy.PinnedStaging``): a few, reused layer after layer."""
+    """Page-locked host buffers that a prefill's whole layers are read into, and copied to the
+    device out of (``cuda.layer_copy.PinnedStaging``): a few, reused layer after layer."""
 
     BUFFERS: int
 
@@ -103,12 +99,12 @@ class LayerStaging(Protocol):
         ...
 
     def buffer(self, i: int, n: int, blob_size: int) -> np.ndarray:
-        """Buffer ``i`` as a ``[n, blob_size]`` host view to read a layer into; the caller
-        evaluated every copy out of it first."""
+        """Buffer ``i`` as a ``[n, blob_size]`` host view to read a layer into (every copy out
+        of it has landed: ``copy`` returns only then)."""
         ...
 
     def copy(self, i: int, layout: ExpertLayout) -> Dict[str, mx.array]:
-        """The layer in buffer ``i``, each component as a device array (lazy)."""
+        """The layer in buffer ``i``, each component as a device array, the copies landed."""
         ...
 
     def close(self) -> None: ...

@@ -20,22 +20,27 @@ Who writes what, and when:
 - Every read, ahead or not, runs on the one read thread, in the order it was asked for: a read
   never writes a buffer while an earlier one (even one abandoned by an interrupt) still does.
   The caller waits for a read it takes (``_settle``).
-- A buffer is handed to a new read only after the device copies out of it were evaluated
-  (``WholeLayerPrefill.lookup`` evaluates the previous layer's copies before it takes or starts
-  a read): page-locked staging (CUDA, ``LayerStaging``) alternates between two buffers of a
-  layer each, one being copied out of while the next layer is read into the other.
+- Page-locked staging (CUDA, ``LayerStaging``) alternates between two buffers of a layer each,
+  one being copied out of while the next layer is read into the other. ``take`` returns once
+  its layer's copies have landed, so a buffer is handed to a new read only after the copies
+  out of it have.
+- A layer's device arrays reach MLX only once their copies have landed: the copy engine runs
+  on a stream MLX cannot wait for, so ``take`` waits for it on the host. ``lookup`` queues the
+  previous layer's computation first, so the copy of layer L runs beside the computation of
+  layer L-1.
 - Every read takes all of the store's read threads, whatever its I/O mode (``store.read``'s
   ``whole``): one thread copying out of a mapping moved 1.8 GB/s on an H200's host, 16 preads
   28-35 GB/s, faster than the copy to the device (``benchmarks/transfer.py``).
 - Host-written pools (CPU, Metal) are filled by the read itself, into arrays the caller made for
   that layer; nothing writes them again.
 - The read thread is handed numpy views and addresses made by the caller; it never calls MLX.
-- A layer in ``pinned`` (CUDA, ``pin_experts``) is not read at all: ``take`` queues the GPU's
-  copy of it out of the page-locked expert files (nobody writes those) on the copy stream.
+- A layer in ``pinned`` (CUDA, ``pin_experts``) is not read at all: ``take`` has the GPU
+  copy it out of the page-locked expert files (nobody writes those).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,18 +66,12 @@ READ_AHEAD_RAM_SHARE = 0.25
 # decode continues, and a learning policy's update costs per row
 OBSERVE_ROWS = 128
 
-_STREAMS: Dict[Tuple[str, str], mx.Stream] = {}
 
-
-def _stream(what: str) -> mx.Stream:
-    """A stream of this module's own: "alloc" on the CPU (pool allocations, ready without
-    waiting for the computation queued on the default stream), "copy" on the default device
-    (the copies out of device staging, which then run beside that computation)."""
-    device = mx.cpu if what == "alloc" else mx.default_device()
-    key = (what, str(device))
-    if key not in _STREAMS:
-        _STREAMS[key] = mx.new_stream(device)
-    return _STREAMS[key]
+@functools.cache
+def _alloc_stream() -> mx.Stream:
+    """A CPU stream of this module's own for host-written pools: their allocations are ready
+    without waiting for the computation queued on the default stream."""
+    return mx.new_stream(mx.cpu)
 
 
 @dataclass
@@ -151,23 +150,19 @@ class WholeLayerPrefill:
         indices go to the computation unchanged, with no host sync."""
         prev, self._pending = self._pending, None
         if prev is not None:
-            mx.async_eval(prev.out)  # the previous layer computes while this one is read
+            mx.async_eval(prev.out)  # the previous layer computes while this one is copied
         t0 = time.perf_counter()
         # Wait for the output of the layer before the previous one (its pool is freed then: with
-        # the previous layer's and this one's, at most two such pools alive) and for the previous
-        # layer's copies out of staging (CUDA), whose buffer the next read reuses. The previous
+        # the previous layer's and this one's, at most two such pools alive). The previous
         # layer's computation stays queued, so the device works on while Python builds the next
         # layer.
         older, self._older = self._older, prev
-        mx.eval(
-            ([] if older is None else [older.out])
-            + ([] if prev is None else list(prev.pool.arrays.values()))
-        )
+        if older is not None:
+            mx.eval(older.out)
         stats.sync_s += time.perf_counter() - t0  # waiting for the device
         if older is not None:
             self._learn(older)
         pool = self.reads.take(layer, stats)
-        mx.async_eval(list(pool.arrays.values()))  # copies beside the previous layer's computation
         nxt = self._next(layer)
         if nxt is not None:
             self.reads.ahead(nxt)
@@ -251,7 +246,7 @@ class WholeLayerReads:
         if self.staging is not None:
             staged, blobs = self._staging_buffer(n, size)
             return _Read(layer, layout, blobs, staged, None, [])
-        with mx.stream(_stream("alloc")):  # not queued behind the default stream's computation
+        with mx.stream(_alloc_stream()):  # not queued behind the default stream's computation
             raw = {c.name: mx.zeros((n, c.nbytes), mx.uint8) for c in layout.components}
             mx.eval(list(raw.values()))
         views = [(host_view(raw[c.name]), c.offset, c.nbytes) for c in layout.components]
@@ -293,8 +288,8 @@ class WholeLayerReads:
 
     def take(self, layer: int, stats: LayerStats) -> ExpertPool:
         """``layer``'s every expert as a pool of its own (slot == expert id): the read ahead if
-        it was this layer's, else read now. With device staging the pool's arrays are copies
-        queued on a stream of their own: evaluate them before the next ``take`` or ``ahead``.
+        it was this layer's, else read now. With device staging the pool's arrays are copied
+        by the copy engine, landed on return.
 
         Raises:
             ExpertReadError: the layer's read failed.
@@ -302,8 +297,7 @@ class WholeLayerReads:
         t0 = time.perf_counter()
         if layer in self.pinned:
             layout = self.store.layout(layer)
-            with mx.stream(_stream("copy")):  # beside the computation, not behind it
-                pool = _typed_pool(self.pinned[layer](), layout)
+            pool = _typed_pool(self.pinned[layer](), layout)
             stats.experts_read += layout.num_experts
             stats.bytes_read += layout.num_experts * layout.blob_size
             stats.upload_s += time.perf_counter() - t0
@@ -344,10 +338,8 @@ class WholeLayerReads:
         if read.staged is None:
             assert read.raw is not None
             return _typed_pool(read.raw, layout)
-        # beside the computation on the default stream, not behind it
         assert staging is not None
-        with mx.stream(_stream("copy")):
-            return _typed_pool(staging.copy(read.staged, layout), layout)
+        return _typed_pool(staging.copy(read.staged, layout), layout)
 
     def close(self) -> None:
         """Wait for a read under way and let go of the buffers."""

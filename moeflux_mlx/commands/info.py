@@ -238,7 +238,10 @@ def describe(path: Path, given: Optional[dict] = None) -> list:
         ("RAM", f"{fmt_bytes(ram.total)} total, {fmt_bytes(ram.available)} available"),
         ("expert I/O", f"{mode} ({why})"),
         ("expert cache", cache),
-        (MACHINE_HEADING, machine_choices(options.tuning)),
+        (
+            MACHINE_HEADING,
+            machine_choices(options.tuning, max(x.num_experts * x.blob_size for x in lay)),
+        ),
         ("backend", f"{picked} ({options.backend}, device {device_name()})"),
         ("backend by layer", list(by_layer)),
     ]

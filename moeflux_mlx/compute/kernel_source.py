@@ -32,7 +32,6 @@ SOURCE_FILES = (
     "fill_cuda.cuh",
     "write_cuda.cuh",
     "hint_cuda.cuh",
-    "pinned_copy_cuda.cuh",
     *PRELUDE.values(),
     *ENTRY.values(),
     *METAL_SHIMS,

@@ -1,46 +1,47 @@
-"""A prefill's whole layer from page-locked host memory to the device, on a few of the GPU's
-blocks (used by ``cache.whole_layer`` on CUDA).
+"""A prefill's whole layer from page-locked host memory to the device, by the GPU's copy engine
+(used by ``cache.whole_layer`` on CUDA).
 
 A prefill at a small budget moves every expert of a layer to the device while the previous layer
-computes. The bytes come from page-locked host memory the GPU reads in place: the expert files
-themselves where they are pinned (``pinned_files``), else ``PinnedStaging``, two buffers of a
-layer each that the store's read threads fill. ``pinned_copy_cuda.cuh`` copies each component
-with ``LAYER_COPY_BLOCKS`` blocks, each thread with ``DEPTH`` loads in flight: enough to fill
-PCIe (47-48 GB/s on an H200 with 16 to 264 blocks, ``benchmarks/transfer.py``), while MLX's own
-copy kernel would take every SM and the computation beside it would wait.
+computes. The bytes come from page-locked host memory: the expert files themselves where they
+are pinned (``pinned_files``), else ``PinnedStaging``, two buffers of a layer each that the
+store's read threads fill. ``cudaMemcpy2DAsync`` on a stream of its own moves each component at
+the link's rate (51 GB/s on an H200's PCIe 5, ``benchmarks/transfer.py``) and takes no SM:
+a copy kernel on a few blocks moved 47-48 GB/s alone, but beside a prefill's matmuls the two
+took 14.4 ms where they took 9.2 and 7.4 alone.
+
+MLX cannot wait for a stream it does not own, so the host does: ``copy_layer`` returns
+once its copies have landed, and only then can MLX see the arrays. The caller queues the
+previous layer's computation first, so the copy runs beside it. The destination arrays are new
+MLX arrays for each layer, never written again: a lazy output that still reads a layer (one
+nobody evaluated yet) stays correct.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from typing import Dict, List, Optional
 
 import mlx.core as mx
 import numpy as np
 
-from ..compute.kernel_source import load_source, text_digest
+from ..cache.pool import host_view
+from ..errors import DeviceSetupError
 from ..format.layout import ExpertLayout
 from . import runtime
 from .pinned_files import LayerSources
 
-# blocks of THREADS threads: a few of an H200's 132 SMs (0: the host fallback, MLX's copies)
-LAYER_COPY_BLOCKS = 16
-THREADS = 256
-DEPTH = 4  # loads in flight per thread
-# the kernel's load per width: the widest that the address, the stride and the size divide
-_WORDS = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
+MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the addresses (unified addressing)
+NON_BLOCKING = 1  # cudaStreamNonBlocking: no implicit order with the legacy default stream
 
 
-def word_bytes(*values: int) -> int:
-    """The widest load (16, 8, 4, 2 or 1 bytes) that every one of ``values`` is a multiple of."""
-    return next(w for w in _WORDS if all(v % w == 0 for v in values))
-
-
-def copy_pinned(sources: LayerSources, layout: ExpertLayout) -> Dict[str, mx.array]:
+def copy_layer(sources: LayerSources, layout: ExpertLayout) -> Dict[str, mx.array]:
     """Each component of a layer's every expert as a ``[n, nbytes]`` uint8 device array, copied
-    by ``LAYER_COPY_BLOCKS`` blocks straight out of page-locked host memory, with no host read;
-    lazy, on the caller's stream. Without the kernel (no CUDA, or ``LAYER_COPY_BLOCKS`` 0) each
-    component is copied from the same bytes' host rows instead.
+    out of page-locked ``sources`` by the copy engine; returns once the copies have landed.
+    Without CUDA's runtime (tests, the CPU) the same bytes are copied from the host rows.
+
+    Who writes what, and when: the copies write into arrays made and evaluated here, and land
+    before they are returned: nothing else holds them before, nothing writes them after.
 
     Args:
         sources: where the layer's components lie in page-locked memory.
@@ -48,51 +49,80 @@ def copy_pinned(sources: LayerSources, layout: ExpertLayout) -> Dict[str, mx.arr
 
     Returns:
         The arrays by component name.
+
+    Raises:
+        DeviceSetupError: CUDA refused a stream or a copy.
     """
-    n, out = layout.num_experts, {}
-    kernel = runtime.table_available() and LAYER_COPY_BLOCKS > 0
-    for c, ptr, stride, rows in zip(
-        layout.components, sources.device_ptrs, sources.strides, sources.rows
-    ):
-        if not (kernel and ptr):
-            out[c.name] = mx.array(np.ascontiguousarray(rows))
-            continue
-        meta = mx.array(np.array([ptr & 0xFFFFFFFF, ptr >> 32], np.uint32).view(np.int32))
-        out[c.name] = _kernel(word_bytes(ptr, stride, c.nbytes))(
-            inputs=[meta],
-            template=[("N", n), ("NB", c.nbytes), ("STRIDE", stride)],
-            grid=(LAYER_COPY_BLOCKS * THREADS, 1, 1),
-            threadgroup=(THREADS, 1, 1),
-            output_shapes=[(n, c.nbytes)],
-            output_dtypes=[mx.uint8],
-        )[0]
+    n, rt = layout.num_experts, runtime._cudart()
+    if rt is None or not all(sources.device_ptrs):
+        return {
+            c.name: mx.array(np.ascontiguousarray(rows))
+            for c, rows in zip(layout.components, sources.rows)
+        }
+    lib, stream = rt[0], _copy_stream()
+    # filled on a stream of their own: not queued behind the computation on the default one
+    with mx.stream(_alloc_stream()):
+        out = {c.name: mx.zeros((n, c.nbytes), mx.uint8) for c in layout.components}
+    mx.eval(list(out.values()))
+    errors = []
+    for c, src, stride in zip(layout.components, sources.device_ptrs, sources.strides):
+        dst = host_view(out[c.name]).ctypes.data  # the managed address, not a copy
+        if stride == c.nbytes:  # one run
+            err = lib.cudaMemcpyAsync(
+                ctypes.c_void_p(dst),
+                ctypes.c_void_p(src),
+                ctypes.c_size_t(n * c.nbytes),
+                MEMCPY_DEFAULT,
+                stream,
+            )
+        else:  # a row of each expert
+            err = lib.cudaMemcpy2DAsync(
+                ctypes.c_void_p(dst),
+                ctypes.c_size_t(c.nbytes),
+                ctypes.c_void_p(src),
+                ctypes.c_size_t(stride),
+                ctypes.c_size_t(c.nbytes),
+                ctypes.c_size_t(n),
+                MEMCPY_DEFAULT,
+                stream,
+            )
+        if err:
+            errors.append(f"{c.name} (error {err})")
+            break
+    err = lib.cudaStreamSynchronize(stream)  # even after a refusal: nothing left in flight
+    if err:
+        errors.append(f"waiting for the copies (error {err})")
+    if errors:
+        raise DeviceSetupError(f"copying a layer's experts to the device failed: {errors[0]}")
     return out
 
 
 @functools.cache
-def _kernel(word: int):
-    header = (
-        f"#define MF_DEPTH {DEPTH}\n#define MF_WORD {_WORDS[word]}\n#define MF_WORD_BYTES {word}\n"
-    )
-    body = load_source("pinned_copy_cuda.cuh")
-    return mx.fast.cuda_kernel(
-        name=f"moeflux_pinned_copy_{text_digest(header, body)}",
-        input_names=["meta"],
-        output_names=["out"],
-        source=body,
-        header=header,
-    )
+def _copy_stream() -> ctypes.c_void_p:
+    """The process's stream for the copy engine, made once (as MLX makes its own streams)."""
+    stream = ctypes.c_void_p()
+    err = runtime._cudart()[0].cudaStreamCreateWithFlags(ctypes.byref(stream), NON_BLOCKING)
+    if err:
+        _copy_stream.cache_clear()
+        raise DeviceSetupError(f"cudaStreamCreateWithFlags failed (error {err})")
+    return stream
+
+
+@functools.cache
+def _alloc_stream() -> mx.Stream:
+    return mx.new_stream(mx.gpu)
 
 
 class PinnedStaging:
     """Page-locked host buffers a prefill's whole layers are read into (``cache.protocol.
-    LayerStaging``), and the GPU's copy out of them: at most ``BUFFERS``, each as large as the
-    largest layer read so far (``nbytes`` says how much is held).
+    LayerStaging``), copied to the device by the copy engine (``copy_layer``): at most
+    ``BUFFERS`` buffers, each as large as the largest layer read so far (``nbytes`` says how
+    much is held).
 
-    Who writes what, and when: buffer ``i`` is written by the store's read threads only while
-    the caller (``cache.whole_layer``) holds no unevaluated copy out of it; ``buffer`` may then
-    replace it with a larger one. Without CUDA's runtime the buffers are plain shared memory and
-    ``copy`` copies their host rows.
+    Who writes what, and when: buffer ``i`` is written by the store's read threads only after
+    the copies out of it have landed (``copy`` returns then); ``buffer`` may then replace it with
+    a larger one. Without CUDA's runtime the buffers are plain shared memory, copied through
+    host rows.
     """
 
     BUFFERS = 2
@@ -123,8 +153,7 @@ class PinnedStaging:
         return buf.array[:nbytes].reshape(n, blob_size)
 
     def copy(self, i: int, layout: ExpertLayout) -> Dict[str, mx.array]:
-        """Each component of the layer read into buffer ``i`` as a device array (lazy, on the
-        caller's stream)."""
+        """Each component of the layer read into buffer ``i`` as a device array, landed."""
         buf = self._bufs[i]
         assert buf is not None
         n, size = self._shape[i]
@@ -134,14 +163,12 @@ class PinnedStaging:
             [size] * len(layout.components),
             [rows[:, c.offset : c.offset + c.nbytes] for c in layout.components],
         )
-        return copy_pinned(sources, layout)
+        return copy_layer(sources, layout)
 
     def close(self) -> None:
-        """Unlock and free the buffers (after every copy out of them was evaluated)."""
+        """Unlock and free the buffers (no copy out of them is under way: each ``copy``
+        waits for its own)."""
         bufs, self._bufs = self._bufs, [None] * self.BUFFERS
-        rt = runtime._cudart()
-        if rt is not None and any(b is not None for b in bufs):
-            rt[0].cudaDeviceSynchronize()  # no kernel of any stream still reads them
         for b in bufs:
             if b is not None:
                 b.close()

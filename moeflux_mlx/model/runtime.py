@@ -51,11 +51,13 @@ def use_table(tuning: Tuning) -> bool:
     return available if tuning.device_table is None else bool(tuning.device_table) and available
 
 
-def machine_choices(tuning: Tuning) -> List[Tuple[str, str]]:
+def machine_choices(tuning: Tuning, layer_bytes: int = 0) -> List[Tuple[str, str]]:
     """What the machine decided rather than an option (``Tuning``), for ``doctor`` and ``info``.
 
     Args:
         tuning: the load options' ``tuning`` (the defaults: this machine's choices).
+        layer_bytes: the largest MoE layer's expert bytes, where a model is known (0: none):
+            the page-locked staging a prefill holds is two of them.
 
     Returns:
         ``(what, the choice and why)`` rows.
@@ -84,8 +86,7 @@ def machine_choices(tuning: Tuning) -> List[Tuple[str, str]]:
         (
             "whole-layer prefill",
             f"from {tuning.prefill_whole_layer:g} routed rows per expert, on every read thread, "
-            "the next layer read ahead"
-            + (" into two page-locked layer buffers" if device_writes else "")
+            "the next layer read ahead" + (_staging_note(layer_bytes) if device_writes else "")
             if tuning.prefill_whole_layer > 0
             else "never",
         ),
@@ -99,6 +100,15 @@ def machine_choices(tuning: Tuning) -> List[Tuple[str, str]]:
         ]
         if table
         else []
+    )
+
+
+def _staging_note(layer_bytes: int) -> str:
+    n = layer_copy.PinnedStaging.BUFFERS
+    held = f" ({n} x {layer_bytes / 1e6:,.0f} MB)" if layer_bytes else ""
+    return (
+        f" into {n} page-locked layer buffers{held}, or straight out of the pinned expert files,"
+        " moved to the GPU by its copy engine"
     )
 
 
@@ -167,9 +177,10 @@ def make_cache(store: ExpertStore, layout: ModelLayout, options: LoadOptions) ->
     device_writes = cuda_runtime.device_slot_writes(options.tuning.slot_writes)
     staging = DeviceStaging(cuda_runtime.host_array) if device_writes else None
     slots = SlotCache(store, layout, budget_bytes, staging, POLICIES[options.eviction])
+    layer_staging = layer_copy.PinnedStaging() if device_writes else None
     whole = WholeLayerPrefill(
         store,
-        layer_copy.PinnedStaging() if device_writes else None,
+        layer_staging,
         slots.slot_count,
         slots.observe,
         options.tuning.prefill_whole_layer,
@@ -177,7 +188,7 @@ def make_cache(store: ExpertStore, layout: ModelLayout, options: LoadOptions) ->
     table: Optional[DeviceTable] = None
     if use_table(options.tuning) and table_layers(layout, slots.n_slots):
         table = DeviceTable(store, layout, slots, options)
-        whole.reads.pinned.update(table.whole_layer_copies())
+        whole.reads.pinned.update(table.whole_layer_copies(layer_copy.copy_layer))
     elif options.pin_experts:  # asked for (None: the machine's choice, nothing to warn of)
         log.warning(
             "pin_experts: no layer is looked up by the device-side table (CUDA, a partial "
