@@ -32,6 +32,7 @@ SOURCE_FILES = (
     "fill_cuda.cuh",
     "write_cuda.cuh",
     "hint_cuda.cuh",
+    "address_cuda.cuh",
     *PRELUDE.values(),
     *ENTRY.values(),
     *METAL_SHIMS,

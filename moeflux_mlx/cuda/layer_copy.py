@@ -25,7 +25,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from ..cache.pool import host_view
+from ..compute.kernel_source import load_source, text_digest
 from ..errors import DeviceSetupError
 from ..format.layout import ExpertLayout
 from . import runtime
@@ -40,8 +40,10 @@ def copy_layer(sources: LayerSources, layout: ExpertLayout) -> Dict[str, mx.arra
     out of page-locked ``sources`` by the copy engine; returns once the copies have landed.
     Without CUDA's runtime (tests, the CPU) the same bytes are copied from the host rows.
 
-    Who writes what, and when: the copies write into arrays made and evaluated here, and land
-    before they are returned: nothing else holds them before, nothing writes them after.
+    Who writes what, and when: the copies write into arrays made here (by a kernel that only
+    reports their addresses: asking MLX for an array's address from the host would move it to
+    managed memory and synchronize the device), and land before the arrays are returned:
+    nothing else holds them before, nothing writes them after.
 
     Args:
         sources: where the layer's components lie in page-locked memory.
@@ -60,13 +62,24 @@ def copy_layer(sources: LayerSources, layout: ExpertLayout) -> Dict[str, mx.arra
             for c, rows in zip(layout.components, sources.rows)
         }
     lib, stream = rt[0], _copy_stream()
-    # filled on a stream of their own: not queued behind the computation on the default one
+    # made on a stream of their own, not queued behind the computation on the default one
     with mx.stream(_alloc_stream()):
-        out = {c.name: mx.zeros((n, c.nbytes), mx.uint8) for c in layout.components}
-    mx.eval(list(out.values()))
+        tick = mx.array(0, mx.uint32)
+        made = {
+            c.name: _address_kernel()(
+                inputs=[tick],
+                output_shapes=[(n, c.nbytes), (1,)],
+                output_dtypes=[mx.uint8, mx.uint64],
+                grid=(1, 1, 1),
+                threadgroup=(1, 1, 1),
+            )
+            for c in layout.components
+        }
+    mx.eval(list(made.values()))
+    out = {name: arrays[0] for name, arrays in made.items()}
     errors = []
     for c, src, stride in zip(layout.components, sources.device_ptrs, sources.strides):
-        dst = host_view(out[c.name]).ctypes.data  # the managed address, not a copy
+        dst = int(np.array(made[c.name][1])[0])  # device memory, where MLX put it
         if stride == c.nbytes:  # one run
             err = lib.cudaMemcpyAsync(
                 ctypes.c_void_p(dst),
@@ -111,6 +124,19 @@ def _copy_stream() -> ctypes.c_void_p:
 @functools.cache
 def _alloc_stream() -> mx.Stream:
     return mx.new_stream(mx.gpu)
+
+
+@functools.cache
+def _address_kernel():
+    """A new uint8 array and its device address, nothing written into it
+    (``address_cuda.cuh``)."""
+    body = load_source("address_cuda.cuh")
+    return mx.fast.cuda_kernel(
+        name=f"moeflux_address_{text_digest('', body)}",
+        input_names=["tick"],
+        output_names=["out", "addr"],
+        source=body,
+    )
 
 
 class PinnedStaging:
