@@ -35,7 +35,7 @@ from typing import List, Mapping, Optional, Sequence, Type
 
 import numpy as np
 
-from ..errors import MoefluxError
+from ..errors import CurveError
 from ..format.layout import ModelLayout
 from ..options import DEFAULT_RAM_FRACTION, Budget, is_auto, parse_budget
 from .policy import EvictionPolicy
@@ -56,11 +56,6 @@ WARMUP_SHARE = 0.5
 # hard to tell from noise while keeping memory from the page cache and everything else
 AUTO_RATE_SHARE = 0.95
 HINT = "run `moeflux-mlx doctor MODEL` once to record the model's hit-rate curve"
-
-
-class CurveError(MoefluxError, ValueError):
-    """A hit-rate curve file is unreadable, truncated, of another format, or recorded for
-    another model. The message names the file; ``moeflux-mlx doctor MODEL`` records it anew."""
 
 
 @dataclass(frozen=True)
