@@ -15,6 +15,7 @@ import importlib
 from .errors import (
     CheckpointError,
     ConvertError,
+    CurveError,
     DeviceSetupError,
     DeviceWaitError,
     ExpertFileError,
@@ -51,6 +52,7 @@ __all__ = [
     "MoefluxError",
     "CheckpointError",
     "ConvertError",
+    "CurveError",
     "SafetensorsHeaderError",
     "UnsupportedQuantizationError",
     "LayoutError",

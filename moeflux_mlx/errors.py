@@ -16,6 +16,7 @@
     ├── DeviceWaitError (RuntimeError)      the GPU gave up waiting for the miss server, or it died
     ├── DeviceSetupError (RuntimeError)     CUDA's runtime refused pinned, mapped memory
     ├── OptionError (ValueError)            a load option or its MOEFLUX_* variable is not one it takes
+    ├── CurveError (ValueError)             a hit-rate curve file is unreadable or another model's
     └── ConvertError                        convert could not finish (DST exists, write failed, verify)
 """
 
@@ -89,6 +90,12 @@ class DeviceSetupError(MoefluxError, RuntimeError):
 class OptionError(MoefluxError, ValueError):
     """A load option's value (an argument, or its ``MOEFLUX_*`` variable) is not one it takes.
     The message names the option or the variable and what it expects."""
+
+
+class CurveError(MoefluxError, ValueError):
+    """A hit-rate curve file (``cache.curve``) is unreadable, truncated, of another format or
+    out of range. The message names the file; ``moeflux-mlx doctor MODEL`` records it anew.
+    ``cache_budget="auto"`` does not raise it: it warns and uses the default budget."""
 
 
 class ConvertError(MoefluxError):

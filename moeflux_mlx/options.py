@@ -23,7 +23,9 @@ and benchmarks may hand in another ``Tuning`` through ``LoadOptions.tuning``; no
 Cache budgets (``parse_budget``): a size with a unit (``B``, SI ``kB`` ``MB`` ``GB`` ``TB``,
 binary ``KiB`` ``MiB`` ``GiB`` ``TiB``), an ``int`` of bytes from Python, ``"all"``, ``0``, or a
 share that names its base: ``"25% experts"`` (of the model's expert bytes) or ``"40% RAM"`` (of
-physical RAM). A bare number such as ``0.25`` names no base and is refused.
+physical RAM). A bare number such as ``0.25`` names no base and is refused. ``"auto"`` is a
+budget too, but not one this module can turn into bytes: it is chosen from the model's recorded
+hit-rate curve (``cache.curve.resolve_budget``, which reads files), never above the default.
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ ENVIRONMENT: Dict[str, Tuple[str, Callable[[str], Any]]] = {
 
 
 def _check_budget(value) -> Budget:
-    parse_budget(value, 0)  # raises OptionError
+    if not is_auto(value):
+        parse_budget(value, 0)  # raises OptionError
     return value
 
 
@@ -170,8 +173,10 @@ class LoadOptions:
 
     Attributes:
         cache_budget: MLX memory for resident experts: a size (``"8GB"``, ``"8GiB"``, an int of
-            bytes), a share naming its base (``"25% experts"``, ``"40% RAM"``), ``"all"`` or
-            0; None: every expert when they fit in 40% of RAM, else 40% of RAM.
+            bytes), a share naming its base (``"25% experts"``, ``"40% RAM"``), ``"all"``, 0,
+            or ``"auto"`` (the smallest budget, at most the default, whose forecast decode rate
+            is near the default's, from the hit-rate curve ``moeflux-mlx doctor`` records;
+            ``cache.curve``); None: every expert when they fit in 40% of RAM, else 40% of RAM.
         expert_io: ``auto`` (the RAM gate: ``pread`` when the experts exceed 0.75 x RAM, else
             ``mmap``), ``mmap``, ``pread``, or ``direct`` (``pread`` bypassing the page cache:
             faster cold reads, no reuse of what the cache held; never chosen by the gate).
@@ -282,8 +287,15 @@ _UNIT_NAMES.update({"kib": "KiB", "mib": "MiB", "gib": "GiB", "tib": "TiB"})
 _BUDGET = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.I)
 _SHARE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*(?:of\s+)?(experts|ram)\s*$", re.I)
 BUDGET_FORMS = (
-    "a size with a unit (8GB, 512MiB), a share naming its base (25% experts, 40% RAM), all, or 0"
+    "a size with a unit (8GB, 512MiB), a share naming its base (25% experts, 40% RAM), all, 0, "
+    "or auto"
 )
+AUTO = "auto"
+
+
+def is_auto(budget: Budget) -> bool:
+    """Whether ``budget`` is ``"auto"`` (any case, spaces around it ignored)."""
+    return isinstance(budget, str) and budget.strip().lower() == AUTO
 
 
 def _budget_error(budget, why: str) -> OptionError:
@@ -316,7 +328,9 @@ def parse_budget(budget: Budget, total_expert_bytes: int) -> int:
 
     Raises:
         OptionError (a ValueError): not a budget, e.g. ``0.25`` (a share of what? write
-            ``25% experts`` or ``25% RAM``), ``8G`` (which G?), a negative number.
+            ``25% experts`` or ``25% RAM``), ``8G`` (which G?), a negative number; or
+            ``"auto"``, which only ``cache.curve.resolve_budget`` turns into bytes (it needs the
+            model's curve).
     """
     if budget is None:
         return int(min(total_expert_bytes, DEFAULT_RAM_FRACTION * psutil.virtual_memory().total))
@@ -333,6 +347,8 @@ def parse_budget(budget: Budget, total_expert_bytes: int) -> int:
     if not isinstance(budget, str):
         raise _budget_error(budget, f"expected {BUDGET_FORMS}")
     text = budget.strip()
+    if text.lower() == AUTO:
+        raise _budget_error(budget, "is chosen from the model's curve: cache.curve.resolve_budget")
     if text.lower() == "all":
         return total_expert_bytes
     if text.startswith("-"):

@@ -572,3 +572,18 @@ def test_transfer_benchmark_times_each_read_of_a_layer(tiny_checkpoints, tmp_pat
         assert row["bytes"] == layer.layer_bytes and row["gb_s"] > 0
     assert "pread x2 -> plain" in capsys.readouterr().out
     assert "pread x2" in next(out.glob("*-transfer.md")).read_text()
+
+
+def test_forecast_benchmark_records_the_curve_and_reuses_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    from tests.support import synth
+
+    forecast = _benchmark_script("forecast")
+    src = synth.build_checkpoint(tmp_path / "m", "qwen3_moe", "tiny", seed=2)
+    argv = ["--model", str(src), "--tokens", "2", "--out", str(tmp_path / "f.md")]
+    assert forecast.main(argv) == 0
+    assert "recorded the hit-rate curve" in capsys.readouterr().out
+    report = (tmp_path / "f.md").read_text()
+    assert "Within +-20%:" in report and str(src / "moeflux-hit-curve.json") in report
+    assert forecast.main(argv) == 0  # the curve is recorded: no second calibration
+    assert "recorded the hit-rate curve" not in capsys.readouterr().out

@@ -95,7 +95,21 @@ def test_doctor_with_model_measures_and_forecasts(model, capsys):
         "forecast at 50%",
         "forecast at 100%",
     ]
-    assert "hit rate ~100%" in rows["  forecast at 100%"]
+    assert "hit rate 100%" in rows["  forecast at 100%"]  # from the curve, not n / E
+
+
+def test_doctor_records_and_shows_the_hit_rate_curve(model, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cli.main(["doctor", str(model)]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert rows["hit-rate curve"].startswith(str(model / "moeflux-hit-curve.json"))
+    at = [k.strip() for k in rows if k.strip().startswith("at ")]
+    assert at == [f"at {p}%" for p in range(0, 101, 10)]
+    assert re.fullmatch(r"hit rate 0%, forecast [\d.]+ tok/s", rows["  at 0%"])
+    assert re.fullmatch(r"hit rate 100%, forecast [\d.]+ tok/s", rows["  at 100%"])
+    assert re.match(r"\S+ \S+ \(100% of the experts, every expert", rows["cache budget auto"])
+    plot = rows["curve plot"]
+    assert plot == "install matplotlib for a plot" or os.path.isfile(plot)
 
 
 def test_recommended_budget_fits_the_working_set(monkeypatch, model):

@@ -42,7 +42,7 @@ from moeflux_mlx.io.bandwidth import PageCacheDropper, expert_files
 from moeflux_mlx.measure import timed_greedy
 from moeflux_mlx.model.load import load
 from moeflux_mlx.model.sharded import sharded_load
-from moeflux_mlx.options import LoadOptions, Tuning, parse_budget
+from moeflux_mlx.options import LoadOptions, Tuning
 
 # what mlx.launch sets for a rank; a launch sets its own, never inherits them
 _LAUNCH_VARS = ("MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE", "NCCL_HOST_IP", "NCCL_PORT")
@@ -244,8 +244,7 @@ def run_step(step: dict, spec: dict, group) -> dict:
                 "mb": rt.layout.total_expert_bytes / 1e6,
                 "layers": sorted(rt.layout.layers),
                 # the budget this process was given (its slots hold what fits in it)
-                "budget_mb": parse_budget(rt.options.cache_budget, rt.layout.total_expert_bytes)
-                / 1e6,
+                "budget_mb": rt.budget.bytes / 1e6,
             }
     finally:
         if rt is not None:

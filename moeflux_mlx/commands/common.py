@@ -45,6 +45,7 @@ from ..options import (
     SI_UNITS,
     LoadOptions,
     budget_unit,
+    is_auto,
     parse_budget,
 )
 
@@ -79,6 +80,8 @@ _RANK = 0  # this process's rank under mlx.launch: only rank 0 prints (errors ex
 
 def _budget(text: str) -> str:
     """Check a --cache-budget value at parse time, so a typo is a usage error."""
+    if is_auto(text):
+        return text
     try:
         parse_budget(text, 0)
     except ValueError as e:
@@ -174,7 +177,9 @@ LOAD_OPTIONS: Tuple[Tuple[str, Dict[str, Any]], ...] = (
             metavar="SIZE",
             help="MLX memory for resident experts: a size with a unit (8GB = 8 x 1000^3 bytes, "
             "8GiB = 8 x 1024^3; also B, kB, MB, TB, KiB, MiB, TiB), a share naming its base "
-            "('25%% experts' of the experts' bytes, '40%% RAM'), all, or 0 (default: all "
+            "('25%% experts' of the experts' bytes, '40%% RAM'), all, 0, or auto (the "
+            "smallest budget, at most the default, forecast to decode near the default's "
+            "speed: from the curve `moeflux-mlx doctor MODEL` records) (default: all "
             "experts if they fit in 40%% of RAM, else 40%% of RAM)",
         ),
     ),
@@ -581,7 +586,9 @@ def load_model(
     budget = rt.options.cache_budget
     cache = info.get("cache", "?")
     total = rt.layout.total_expert_bytes
-    if budget is not None:  # shown in the units it was given in
+    if is_auto(budget):  # what auto chose, and why
+        cache += f", budget {fmt_bytes(rt.budget.bytes)} ({rt.budget.why})"
+    elif budget is not None:  # shown in the units it was given in
         cache += f", budget {fmt_budget(budget, total)}"
     n = len(rt.layout.layers)
     layers = gather_text(f"{n} MoE layer{'s' * (n != 1)}, {fmt_bytes(total)}", group)

@@ -12,10 +12,14 @@ several budgets:
 
     t(budget) = t_resident + (expert bytes a token misses at that budget) / read bandwidth
 
-where a token misses, in each MoE layer, top-k x blob bytes x (1 - hit rate), and the hit rate of
-a layer holding n of its E experts is estimated as n / E (LRU under routing that is uniform over
-the experts: trained routers are skewed, so real hit rates are higher and the forecast errs
-slow). ``benchmarks/forecast.py`` checks the forecast against measured decode.
+where a token misses, in each MoE layer, top-k x blob bytes x (1 - hit rate). The hit rate is the
+model's measured hit-rate curve (``cache.curve``): doctor records the model's routing on a short
+built-in text, replays it through the eviction policy at budgets of 0-100% of the experts, and
+records the curve (with the bandwidth and decode time above) beside the model, where
+``cache_budget="auto"`` reads it. It prints the curve (and plots it, where matplotlib is
+installed) and the budget auto would choose. Without a curve (``--no-bench``) a layer holding n of
+its E experts is estimated to hit n / E (routing uniform over the experts).
+``benchmarks/forecast.py`` checks the forecast against measured decode.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import psutil
 
 from .. import __version__
 from ..cache import wired
+from ..cache.curve import AUTO_RATE_SHARE, BudgetChoice, HitCurve, Timing, pick, tok_s
 from ..cache.slots import slots_per_layer
 from ..compute import kernels as K
 from ..compute import selfcheck
@@ -44,6 +49,7 @@ from ..format.layout import ModelLayout
 from ..format.safetensors import index_directory
 from ..io.bandwidth import read_bandwidth
 from ..io.store import RAM_FRACTION, select_expert_io
+from ..model.calibrate import calibrate
 from ..model.load import load
 from ..model.runtime import machine_choices
 from ..model.source import resolve_model_path
@@ -100,12 +106,31 @@ def forecast(
     budget_bytes: int,
     bandwidth: float,
     compute_s_per_token: float,
+    curve: Optional[HitCurve] = None,
+    policy: str = "transition",
 ) -> Forecast:
     """Decode time per token at ``budget_bytes``: ``compute_s_per_token`` (measured with the
-    experts resident) plus the bytes a token misses over ``bandwidth`` (bytes/s)."""
-    hits = estimated_hit_rates(layout, budget_bytes)
+    experts resident) plus the bytes a token misses over ``bandwidth`` (bytes/s).
+
+    Args:
+        layout: the model's expert layout.
+        top_k: experts a token routes.
+        budget_bytes: the cache budget.
+        bandwidth: bytes/s of a miss's reads.
+        compute_s_per_token: decode seconds per token besides expert reads.
+        curve: the model's hit-rate curve (None: ``estimated_hit_rates``, n / E).
+        policy: the eviction policy whose curve is read.
+
+    Returns:
+        The forecast.
+    """
     routed = sum(top_k * lay.blob_size for lay in layout.layers.values())
-    miss = sum(top_k * lay.blob_size * (1 - hits[i]) for i, lay in layout.layers.items())
+    if curve is not None:
+        share = budget_bytes / max(layout.total_expert_bytes, 1)
+        miss = routed * (1 - curve.hit_rate(policy, share))
+    else:
+        hits = estimated_hit_rates(layout, budget_bytes)
+        miss = sum(top_k * lay.blob_size * (1 - hits[i]) for i, lay in layout.layers.items())
     return Forecast(
         budget_bytes,
         1 - miss / routed if routed else 1.0,
@@ -173,6 +198,78 @@ def measure_decode(
         return per_token, (t.io_s + t.upload_s) / max(n, 1), st
     finally:
         rt.close()
+
+
+def record_curve(path: Path, timing: Timing, **options) -> HitCurve:
+    """Load the model at the default budget (routing does not depend on it), record its routing
+    on the built-in text and record the curve with ``timing`` (``model.calibrate``)."""
+    model, tokenizer = load(path, **options)
+    try:
+        return calibrate(model, tokenizer, path, timing=timing)
+    finally:
+        model.moeflux.close()
+
+
+def plot_curve(curve: HitCurve, policy: str, out: Path) -> Optional[Path]:
+    """The curve as a PNG at ``out``, or None where matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot([100 * s for s in curve.shares], [100 * h for h in curve.hit_rates[policy]], "o-")
+    ax.set_xlabel("cache budget (% of the experts)")
+    ax.set_ylabel(f"hit rate (%), {policy}")
+    ax.set_title(f"{out.parent.name}: {curve.tokens} tokens")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def curve_rows(
+    curve: HitCurve, policy: str, layout: ModelLayout, top_k: int, ceiling: int
+) -> List[Tuple[str, str]]:
+    """The curve as rows (budget share -> hit rate -> forecast tok/s, every 10%) and what auto
+    chooses under ``ceiling`` (the default budget)."""
+    assert curve.timing is not None
+    t = curve.timing
+    routed = sum(top_k * lay.blob_size for lay in layout.layers.values())
+    rows = [("hit-rate curve", f"{curve.path} ({curve.tokens} tokens, eviction {policy})")]
+    for share in curve.shares[::2]:
+        rows.append(
+            (
+                f"  at {share:.0%}",
+                f"hit rate {curve.hit_rate(policy, share):.0%}, forecast "
+                f"{tok_s(curve, policy, share, routed, t):.1f} tok/s",
+            )
+        )
+    total = layout.total_expert_bytes
+    if ceiling >= total:
+        auto = BudgetChoice(total, "every expert: they fit in the default budget", True)
+    else:
+        auto = pick(curve, policy, ceiling, routed, t)
+        auto = BudgetChoice(
+            auto.bytes,
+            f"the smallest forecast within {1 - AUTO_RATE_SHARE:.0%} of the default's "
+            f"{tok_s(curve, policy, ceiling / total, routed, t):.1f} tok/s",
+            True,
+        )
+    fc = forecast(layout, top_k, auto.bytes, t.bandwidth, t.compute_s_per_token, curve, policy)
+    rows.append(
+        (
+            "cache budget auto",
+            f"{fmt_bytes(auto.bytes)} ({100 * auto.bytes / max(total, 1):.0f}% of the experts, "
+            f"{auto.why}): forecast {fc.tok_s:.1f} tok/s",
+        )
+    )
+    png = plot_curve(curve, policy, curve.path.with_suffix(".png")) if curve.path else None
+    rows.append(("curve plot", str(png) if png else "install matplotlib for a plot"))
+    return rows
 
 
 def disk_bandwidth(path: Path, reads: int = 256, threads: int = 8) -> Tuple[float, float]:
@@ -379,14 +476,32 @@ def _model_rows(path: Path, given: dict, bench: bool) -> List[Tuple[str, str]]:
             f"{'warm' if fits_page_cache else 'cold'} reads at {bw / 1e9:.2f} GB/s ({basis})",
         )
     )
+    policy = options.eviction
+    timing = Timing(bw, compute, "warm" if fits_page_cache else "cold")
+    t0 = time.perf_counter()
+    curve: Optional[HitCurve] = None
+    try:
+        curve = record_curve(
+            path, timing, **{k2: v for k2, v in given.items() if k2 != "cache_budget"}
+        )
+    except OSError as e:  # neither beside the model nor in the user cache: forecast with n / E
+        rows.append(("hit-rate curve", f"not recorded ({e}); the forecast assumes n / E"))
+    else:
+        rows.append(
+            (
+                "calibration",
+                f"{curve.tokens} tokens routed and replayed ({time.perf_counter() - t0:.1f} s)",
+            )
+        )
+        rows += curve_rows(curve, policy, layout, k, parse_budget(None, total))
     fractions = sorted({*FORECAST_FRACTIONS, min(1.0, budget / max(total, 1))})
     for f in fractions:
-        fc = forecast(layout, k, int(f * total), bw, compute)
+        fc = forecast(layout, k, int(f * total), bw, compute, curve, policy)
         rows.append(
             (
                 f"  forecast at {f:.0%}",
-                f"{fc.tok_s:.1f} tok/s (hit rate ~{fc.hit_rate:.0%}, "
-                f"{fmt_bytes(fc.miss_bytes_per_token)} read per token)",
+                f"{fc.tok_s:.1f} tok/s (hit rate {'' if curve else '~'}{fc.hit_rate:.0%}"
+                f"{'' if curve else ', n / E'}, {fmt_bytes(fc.miss_bytes_per_token)} read per token)",
             )
         )
     return rows
@@ -461,7 +576,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-bench",
         action="store_true",
-        help="skip the read-bandwidth and decode measurements (and the forecast)",
+        help="skip the read-bandwidth and decode measurements, the calibration (the hit-rate "
+        "curve) and the forecast",
     )
     add_load_args(p)
 

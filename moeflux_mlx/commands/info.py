@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import psutil
 
+from ..cache.curve import resolve_budget
 from ..cache.slots import too_small
 from ..compute.backend import LayerChoice, backend_report, layer_choice, select_backend
 from ..compute.kernels import ExpertSpec
@@ -24,7 +25,7 @@ from ..format.safetensors import index_directory
 from ..io.store import RAM_FRACTION, open_store, select_expert_io
 from ..model.experts import build_model, find_experts, top_k_of
 from ..model.runtime import machine_choices
-from ..options import LoadOptions, budget_unit, parse_budget
+from ..options import LoadOptions, budget_unit
 from .common import (
     MACHINE_HEADING,
     MACHINE_NOTE,
@@ -181,10 +182,14 @@ def describe(path: Path, given: Optional[dict] = None) -> list:
             f"auto: experts {fmt_bytes(total)} {cmp} {RAM_FRACTION} x RAM "
             f"{fmt_bytes(ram.total)} = {fmt_bytes(RAM_FRACTION * ram.total)}"
         )
-    budget = parse_budget(options.cache_budget, total)  # valid: LoadOptions.resolve checked it
+    # valid: LoadOptions.resolve checked it; auto as a load would choose it (the curve file)
+    chosen = resolve_budget(options.cache_budget, layout, path, options.eviction)
+    budget = chosen.bytes
     unit = budget_unit(options.cache_budget)  # sizes in the units the budget was given in
     if options.cache_budget is None:
         given_as = "default"
+    elif chosen.auto:
+        given_as = f"--cache-budget {chosen.why}"
     else:
         given_as = f"--cache-budget {fmt_budget(options.cache_budget, total)}"
     # a budget over the experts holds them all: their size, in the budget's unit only when that

@@ -126,14 +126,15 @@ def _expert_keys_dropper(sanitize, module_paths, where: object):
 
 
 def _make_runtime(source, options: LoadOptions) -> StreamingRuntime:
+    source = Path(source).expanduser()
     store, layout = open_store(
-        Path(source).expanduser(),
+        source,
         options.expert_io,
         options.tuning.threads,
         warm_threads=options.tuning.warm_read_threads,
     )
     try:
-        return StreamingRuntime(store, layout, options)
+        return StreamingRuntime(store, layout, options, source)
     except Exception:
         store.close()
         raise

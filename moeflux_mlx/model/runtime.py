@@ -7,13 +7,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from typing import Dict, Iterator, List, Optional, Tuple
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 import psutil
 
 from ..cache import wired
+from ..cache.curve import BudgetChoice, resolve_budget
 from ..cache.expert_cache import ExpertCache
 from ..cache.policy import POLICIES
 from ..cache.pool import DeviceStaging
@@ -34,7 +36,7 @@ from ..cuda.table_cache import DeviceTable, table_layers
 from ..errors import ModelClosedError
 from ..format.layout import ModelLayout
 from ..io.store import ExpertStore
-from ..options import LoadOptions, Tuning, parse_budget
+from ..options import LoadOptions, Tuning
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +151,12 @@ def prefill_step(model: nn.Module, runtime: StreamingRuntime) -> int:
     return MLX_LM_PREFILL_STEP
 
 
-def make_cache(store: ExpertStore, layout: ModelLayout, options: LoadOptions) -> ExpertCache:
+def make_cache(
+    store: ExpertStore,
+    layout: ModelLayout,
+    options: LoadOptions,
+    budget: Optional[BudgetChoice] = None,
+) -> ExpertCache:
     """The cache for ``options``: slots under the budget (none at budget 0, or one too small
     for one expert per layer), the whole-layer prefill path, and, on CUDA, the device-side table
     for partly cached layers.
@@ -158,6 +165,8 @@ def make_cache(store: ExpertStore, layout: ModelLayout, options: LoadOptions) ->
         store: the model's expert store.
         layout: its expert layout.
         options: the load options (budget, eviction, pinning, tuning).
+        budget: the budget resolved (``cache.curve.resolve_budget``); None: resolved here from
+            ``options`` without a model directory (``"auto"`` is then the default).
 
     Returns:
         The model's ``ExpertCache``.
@@ -167,7 +176,9 @@ def make_cache(store: ExpertStore, layout: ModelLayout, options: LoadOptions) ->
         DeviceWaitError: the device-side table's miss server did not start.
         DeviceSetupError: ``pin_experts`` could not page-lock the expert files.
     """
-    budget_bytes = parse_budget(options.cache_budget, layout.total_expert_bytes)
+    if budget is None:
+        budget = resolve_budget(options.cache_budget, layout, None, options.eviction)
+    budget_bytes = budget.bytes
     # on Metal: pools + staging within the recommended working set, else macOS may page them out
     budget_bytes, note = wired.fit_budget(
         budget_bytes, wired.staging_bytes_estimate(layout), wired.MetalMemory().working_set()
@@ -242,11 +253,24 @@ class StreamingRuntime:
     time; closing it closes it for all). Pickling raises ``TypeError``: an open runtime cannot
     travel; load the model again where it is needed."""
 
-    def __init__(self, store: ExpertStore, layout: ModelLayout, options: LoadOptions):
+    def __init__(
+        self,
+        store: ExpertStore,
+        layout: ModelLayout,
+        options: LoadOptions,
+        model_dir: Optional[Path] = None,
+    ):
         self.store, self.layout, self.options = store, layout, options
+        self.model_dir = model_dir
         self._stats = Stats()
         self.backend: Backend = select_backend(options.backend)
-        self.cache = make_cache(store, layout, options)
+        # the budget in bytes and why (``"auto"`` read from the model's curve here, once)
+        self.budget = resolve_budget(options.cache_budget, layout, model_dir, options.eviction)
+        if self.budget.auto:
+            log.info("cache budget %s", self.budget.why)
+        self.cache = make_cache(store, layout, options, self.budget)
+        # layer, router indices of each call, while a calibration records them (else None)
+        self.routing_sink: Optional[Callable[[int, mx.array], None]] = None
         # Metal: the slots and staging stay resident (wired) while the model is open
         self.wiring = wired.Wiring(self.cache.capacity_bytes + wired.staging_bytes_estimate(layout))
         # where each forward pass checks what the miss server or the GPU ran into (once per pass:

@@ -278,7 +278,7 @@ def sharded_load(
         warm_threads=opts.tuning.warm_read_threads,
     )
     try:
-        runtime = StreamingRuntime(store, share, opts)
+        runtime = StreamingRuntime(store, share, opts, Path(path))
     except Exception:
         store.close()
         raise

@@ -64,6 +64,8 @@ class StreamingSwitchGLU(nn.Module):
         if self.layer == rt.first_layer:  # what the miss server or the GPU ran into since
             rt.cache.check()  # the last forward pass
         stats = rt.stats.layer(self.layer)
+        if rt.routing_sink is not None:  # a calibration records the routing (model.calibrate)
+            rt.routing_sink(self.layer, indices)
         if rt.verifying:  # a pass verifying draft tokens: the cache's one seam for it
             outside = rt.reads_outside(self.layer, x, indices, self.activation)
             return rt.cache.verify_pass(self.layer, x, indices, self._compute, stats, outside)

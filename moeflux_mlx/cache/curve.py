@@ -1,0 +1,458 @@
+"""A model's hit-rate curve, and the cache budget ``"auto"`` chosen from it.
+
+The curve: the share of routed expert bytes the cache serves from its slots (the hit rate), at
+budgets of 0, 5, ..., 100% of the experts. It comes from a routing trace (every MoE layer's
+experts, token after token, recorded by ``model.calibrate`` on a short text) replayed through
+the real eviction policy (``cache.policy.POLICIES``) at each budget, split over the layers as
+the cache splits it (``slots.slots_per_layer``). Uniform routing's ``n / E`` has no knee; a
+trained router's skew and reuse do.
+
+Who writes what, and when: ``moeflux-mlx doctor MODEL`` (or ``benchmarks/forecast.py``) records
+the curve, with the read bandwidth and the resident decode time it measured beside it, in
+``moeflux-hit-curve.json`` in the model directory, or where that is not writable in the user
+cache (``$XDG_CACHE_HOME/moeflux-mlx/curves``). Each write replaces the whole file atomically
+(a temporary file, then ``os.replace``): a reader sees the old file or the new one, never half
+of one. Loads only read it.
+
+``"auto"`` (``resolve_budget``): at most what the default (None) gives. Where every expert fits
+in that, every expert. Else, on the curve, with ``t(b) = t_compute + (1 - h(b)) x expert bytes
+per token / bandwidth``, the smallest budget whose forecast rate is ``AUTO_RATE_SHARE`` of the
+rate at the most it may take. Without a usable curve file: the default, and one log line saying
+how to record one (calibrating at load would read every expert once: minutes on a large model).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Mapping, Optional, Sequence, Type
+
+import numpy as np
+
+from ..errors import CurveError
+from ..format.layout import ModelLayout
+from ..options import DEFAULT_RAM_FRACTION, Budget, is_auto, parse_budget
+from .policy import EvictionPolicy
+from .slots import slots_per_layer
+
+log = logging.getLogger(__name__)
+
+CURVE_FILE = "moeflux-hit-curve.json"
+FORMAT = 1
+# the budgets the curve is simulated at, as shares of the experts' bytes: a 5% grid is finer
+# than a user picks budgets by, and 19 replays of a short trace take seconds
+SHARES = tuple(i / 20 for i in range(21))
+# hits are counted over the trace's later half only: the first half fills the slots, as the
+# turns before it fill a running model's (the cache starts empty; decode runs long after)
+WARMUP_SHARE = 0.5
+# auto takes the smallest budget forecast to decode at this share of the rate at the most it may
+# take: 5% is about what repeated decode timings spread by, so a larger budget would buy a gain
+# hard to tell from noise while keeping memory from the page cache and everything else
+AUTO_RATE_SHARE = 0.95
+HINT = "run `moeflux-mlx doctor MODEL` once to record the model's hit-rate curve"
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What the forecast needs besides the curve, as ``doctor`` measured it.
+
+    Attributes:
+        bandwidth: bytes/s of the reads a miss makes (warm or cold, whichever decode will see).
+        compute_s_per_token: decode seconds per token besides expert reads, every expert
+            resident.
+        basis: which reads ``bandwidth`` measured (``warm`` or ``cold``), for people.
+    """
+
+    bandwidth: float
+    compute_s_per_token: float
+    basis: str = "warm"
+
+
+@dataclass(frozen=True)
+class HitCurve:
+    """Hit rate by budget share, per eviction policy, for one model.
+
+    Attributes:
+        shares: budget shares of the experts' bytes, ascending, 0 to 1.
+        hit_rates: policy name -> hit rate at each share (non-decreasing, 1.0 at share 1).
+        num_experts: experts of each MoE layer, in layer order (what the curve is valid for).
+        top_k: experts a token routes.
+        total_expert_bytes: the model's expert bytes.
+        tokens: trace tokens it was simulated over.
+        timing: the measured bandwidth and compute time (None: not measured).
+        path: the file it was read from or written to (None: not stored).
+    """
+
+    shares: Sequence[float]
+    hit_rates: Mapping[str, Sequence[float]]
+    num_experts: Sequence[int]
+    top_k: int
+    total_expert_bytes: int
+    tokens: int
+    timing: Optional[Timing] = None
+    path: Optional[Path] = field(default=None, compare=False)
+
+    def hit_rate(self, policy: str, share: float) -> float:
+        """The hit rate at ``share`` (0..1) of the experts, linear between the grid's points.
+
+        Args:
+            policy: an eviction policy name with a curve here.
+            share: the budget as a share of the experts' bytes (clipped to 0..1).
+
+        Returns:
+            The hit rate, 0..1.
+
+        Raises:
+            KeyError: no curve for ``policy``.
+        """
+        return float(np.interp(min(max(share, 0.0), 1.0), self.shares, self.hit_rates[policy]))
+
+    def fits(self, layout: ModelLayout, top_k: Optional[int] = None) -> bool:
+        """Whether the curve was recorded for a model of this layout (and top-k)."""
+        return (
+            list(self.num_experts) == [lay.num_experts for _, lay in sorted(layout.layers.items())]
+            and self.total_expert_bytes == layout.total_expert_bytes
+            and (top_k is None or top_k == self.top_k)
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "shares": list(self.shares),
+            "hit_rates": {k: list(v) for k, v in self.hit_rates.items()},
+            "num_experts": list(self.num_experts),
+            "top_k": self.top_k,
+            "total_expert_bytes": self.total_expert_bytes,
+            "tokens": self.tokens,
+            "timing": None if self.timing is None else vars(self.timing),
+            "recorded": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+
+
+# --------------------------------------------------------------------------- simulation
+
+
+def layer_hits(
+    rows: np.ndarray, num_experts: int, n_slots: int, policy: Type[EvictionPolicy]
+) -> float:
+    """The hit rate of one layer's trace through ``n_slots`` slots, driven as the cache's book
+    drives its policy (one call per token, ``admit`` then ``assign``), counted after
+    ``WARMUP_SHARE`` of the rows.
+
+    Args:
+        rows: ``[tokens, k]`` routed experts.
+        num_experts: the layer's experts.
+        n_slots: its slots at the budget.
+        policy: the eviction policy's class.
+
+    Returns:
+        Hits over routed experts (0..1). A layer with every expert resident hits every time
+        (it is filled once, whole); one with fewer slots than a token routes serves every call
+        from staging (no hits).
+    """
+    if n_slots >= num_experts:
+        return 1.0
+    start = int(len(rows) * WARMUP_SHARE)
+    p = policy(num_experts, n_slots)
+    hits = routed = 0
+    for tick, row in enumerate(rows, start=1):
+        experts = np.unique(row)
+        if experts.size > n_slots:
+            return 0.0  # every call of the trace routes top-k: none is ever served by slots
+        missing, victims = p.admit(experts, tick)
+        p.assign(missing, victims, tick)
+        if tick > start:
+            hits += experts.size - missing.size
+            routed += experts.size
+    return hits / routed if routed else 0.0
+
+
+def simulate(
+    layout: ModelLayout,
+    routing: Mapping[int, np.ndarray],
+    policy: Type[EvictionPolicy],
+    shares: Sequence[float] = SHARES,
+) -> List[float]:
+    """The hit rate at each budget share: each layer's trace replayed through the slots the
+    cache gives it at that budget, weighted by the layer's expert bytes.
+
+    A larger budget keeps a superset of slots in every layer, but a policy other than LRU is
+    not a stack algorithm, so a short trace can hit a little less at a larger budget; the curve
+    takes the running maximum (more memory never makes decode slower in the forecast).
+
+    Args:
+        layout: the model's expert layout.
+        routing: layer -> ``[tokens, k]`` routed experts (every MoE layer of ``layout``).
+        policy: the eviction policy's class.
+        shares: ascending budget shares, 0..1.
+
+    Returns:
+        Hit rates, one per share, non-decreasing, 1.0 at share 1.
+    """
+    total = layout.total_expert_bytes
+    weight = {i: lay.blob_size for i, lay in layout.layers.items()}
+    out: List[float] = []
+    for share in shares:
+        if share >= 1:
+            out.append(1.0)  # "all": every layer holds every expert
+            continue
+        n = slots_per_layer(layout, int(share * total))
+        h = sum(
+            weight[i] * layer_hits(routing[i], lay.num_experts, n[i], policy)
+            for i, lay in layout.layers.items()
+        ) / max(sum(weight.values()), 1)
+        out.append(max(h, out[-1] if out else 0.0))
+    return out
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "moeflux-mlx" / "curves"
+
+
+def curve_paths(model_dir: Path) -> List[Path]:
+    """Where a model's curve may be, in the order read: its directory, then the user cache
+    (a file named by the directory's resolved path)."""
+    model_dir = Path(model_dir).expanduser().resolve()
+    digest = hashlib.sha1(str(model_dir).encode()).hexdigest()[:16]
+    return [model_dir / CURVE_FILE, _cache_dir() / f"{model_dir.name}-{digest}.json"]
+
+
+def read_curve(path: Path) -> HitCurve:
+    """The curve in ``path``.
+
+    Args:
+        path: a file ``write_curve`` wrote.
+
+    Returns:
+        The curve (``path`` set).
+
+    Raises:
+        CurveError: unreadable, not JSON, another format, or values out of range.
+    """
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise CurveError(f"{path}: not a readable hit-rate curve ({e}); {HINT}") from None
+    try:
+        if d.get("format") != FORMAT:
+            raise ValueError(f"format {d.get('format')!r}, expected {FORMAT}")
+        shares = [float(s) for s in d["shares"]]
+        rates = {str(k): [float(h) for h in v] for k, v in d["hit_rates"].items()}
+        if shares != sorted(shares) or shares[0] != 0 or shares[-1] != 1:
+            raise ValueError("shares must rise from 0 to 1")
+        for name, h in rates.items():
+            if len(h) != len(shares) or not all(0 <= x <= 1 for x in h) or h[-1] != 1:
+                raise ValueError(f"the {name} curve is not a hit rate at each share")
+        t = d.get("timing")
+        timing = (
+            None
+            if t is None
+            else Timing(float(t["bandwidth"]), float(t["compute_s_per_token"]), str(t["basis"]))
+        )
+        return HitCurve(
+            shares,
+            rates,
+            [int(e) for e in d["num_experts"]],
+            int(d["top_k"]),
+            int(d["total_expert_bytes"]),
+            int(d["tokens"]),
+            timing,
+            Path(path),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise CurveError(f"{path}: not a hit-rate curve ({e}); {HINT}") from None
+
+
+def find_curve(model_dir: Path) -> Optional[HitCurve]:
+    """The model's recorded curve, or None where none is recorded.
+
+    Args:
+        model_dir: the model directory.
+
+    Returns:
+        The first of ``curve_paths`` that exists, read; None if none exists.
+
+    Raises:
+        CurveError: the file found is not a curve (``read_curve``).
+    """
+    for path in curve_paths(model_dir):
+        if path.is_file():
+            return read_curve(path)
+    return None
+
+
+def write_curve(model_dir: Path, curve: HitCurve) -> Path:
+    """Record ``curve`` for the model in ``model_dir``: in the directory if it is writable,
+    else in the user cache; atomically (never half a file), merged with the curves of other
+    policies already there for the same model.
+
+    Args:
+        model_dir: the model directory.
+        curve: the curve (its ``path`` is ignored).
+
+    Returns:
+        The file written.
+
+    Raises:
+        OSError: neither place could be written.
+    """
+    rates = dict(curve.hit_rates)
+    try:
+        old = find_curve(model_dir)
+    except CurveError:
+        old = None  # replaced whole
+    if old is not None and old.shares == curve.shares and old.num_experts == curve.num_experts:
+        rates = {**old.hit_rates, **rates}
+        if curve.timing is None and old.timing is not None:
+            curve = HitCurve(**{**vars(curve), "timing": old.timing})
+    text = json.dumps({**curve.to_json(), "hit_rates": rates}, indent=1)
+    error: Optional[OSError] = None
+    for path in curve_paths(model_dir):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+                os.replace(tmp, path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+            # a stale copy in the other place would shadow or outlive this one
+            for other in curve_paths(model_dir):
+                if other != path and other.is_file():
+                    try:
+                        other.unlink()
+                    except OSError:
+                        pass
+            return path
+        except OSError as e:
+            error = e
+    assert error is not None
+    raise error
+
+
+# --------------------------------------------------------------------------- the pick
+
+
+def tok_s(curve: HitCurve, policy: str, share: float, routed_bytes: float, timing: Timing) -> float:
+    """Forecast decode tok/s at ``share`` of the experts: ``1 / (t_compute + (1 - h) x
+    routed_bytes / bandwidth)``."""
+    miss = (1 - curve.hit_rate(policy, share)) * routed_bytes
+    s = timing.compute_s_per_token + (miss / timing.bandwidth if timing.bandwidth > 0 else 0)
+    return 1 / s if s > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class BudgetChoice:
+    """A cache budget in bytes and why.
+
+    Attributes:
+        bytes: the budget.
+        why: how it was chosen, for the load log and ``info`` (one line).
+        auto: whether ``"auto"`` chose it.
+        forecast_tok_s: auto, from a curve: the forecast decode rate at ``bytes``.
+    """
+
+    bytes: int
+    why: str
+    auto: bool = False
+    forecast_tok_s: Optional[float] = None
+
+
+def pick(
+    curve: HitCurve, policy: str, ceiling: int, routed_bytes: float, timing: Timing
+) -> BudgetChoice:
+    """The smallest budget on the curve's grid (or ``ceiling``) whose forecast rate is at least
+    ``AUTO_RATE_SHARE`` of the rate at ``ceiling``.
+
+    Args:
+        curve: the model's curve, with a curve for ``policy``.
+        policy: the eviction policy.
+        ceiling: the most bytes auto may take (the default budget).
+        routed_bytes: expert bytes a token routes.
+        timing: bandwidth and compute time.
+
+    Returns:
+        The choice.
+    """
+    total = curve.total_expert_bytes
+    top = min(1.0, ceiling / max(total, 1))
+    best = tok_s(curve, policy, top, routed_bytes, timing)
+    for share in [s for s in curve.shares if s < top] + [top]:
+        rate = tok_s(curve, policy, share, routed_bytes, timing)
+        if rate >= AUTO_RATE_SHARE * best:
+            n = ceiling if share == top else int(share * total)
+            why = (
+                f"auto: {share:.0%} of the experts, forecast {rate:.1f} tok/s "
+                f"(hit rate {curve.hit_rate(policy, share):.0%}), within "
+                f"{1 - AUTO_RATE_SHARE:.0%} of {best:.1f} tok/s at the default "
+                f"{top:.0%} (curve {curve.path})"
+            )
+            return BudgetChoice(n, why, True, rate)
+    raise AssertionError("the ceiling itself qualifies")
+
+
+def resolve_budget(
+    budget: Budget,
+    layout: ModelLayout,
+    model_dir: Optional[Path],
+    policy: str,
+) -> BudgetChoice:
+    """A cache budget in bytes, ``"auto"`` included: the one place a budget becomes bytes
+    for a model.
+
+    Args:
+        budget: any ``LoadOptions.cache_budget``.
+        layout: the model's expert layout (of this process's share, when sharded).
+        model_dir: where the curve is looked for (None: nowhere; auto is then the default).
+        policy: the eviction policy (``LoadOptions.eviction``): the curve replayed through it.
+
+    Returns:
+        The bytes and why.
+
+    Raises:
+        OptionError: ``budget`` is not a budget (``parse_budget``).
+    """
+    total = layout.total_expert_bytes
+    if not is_auto(budget):
+        n = parse_budget(budget, total)
+        return BudgetChoice(n, "default" if budget is None else f"given: {budget}")
+    ceiling = parse_budget(None, total)
+    if ceiling >= total:
+        return BudgetChoice(
+            ceiling, f"auto: every expert (they fit in {DEFAULT_RAM_FRACTION:g} x RAM)", True
+        )
+    why: Optional[str] = None
+    try:
+        curve = find_curve(model_dir) if model_dir is not None else None
+    except CurveError as e:  # a bad file costs the pick, never the load
+        curve, why = None, str(e)
+    if curve is None:
+        why = why or f"no hit-rate curve recorded: {HINT}"
+    elif not curve.fits(layout):
+        why = f"{curve.path} was recorded for another model (or another share of it): {HINT}"
+    elif policy not in curve.hit_rates:
+        why = f"{curve.path} has no curve for eviction {policy}: {HINT} --eviction {policy}"
+    elif curve.timing is None:
+        why = f"{curve.path} has no measured bandwidth and decode time: {HINT}"
+    if why is not None:
+        log.warning(
+            "cache budget auto: %s; using the default (%g x RAM)", why, DEFAULT_RAM_FRACTION
+        )
+        return BudgetChoice(
+            ceiling, f"auto: the default, {DEFAULT_RAM_FRACTION:g} x RAM ({why})", True
+        )
+    assert curve is not None and curve.timing is not None
+    routed = sum(curve.top_k * lay.blob_size for lay in layout.layers.values())
+    return pick(curve, policy, ceiling, routed, curve.timing)
