@@ -4,8 +4,9 @@
     python examples/compare_mlx_lm.py PATH --prompt "Hi" -m 64
     python examples/compare_mlx_lm.py PATH --converted PATH-converted
 
-Exit status 0 when the outputs agree (CPU: exactly; GPU: identical tokens, --kl-tol),
-1 when they differ, 3 when stock mlx-lm was not run (the model does not fit; --force).
+Exit status 0 when the outputs agree (CPU: exactly; GPU: as close to a float32 reference as
+stock is), 1 when they differ, 3 when not compared (stock mlx-lm did not run: the model does not
+fit, --force).
 Same as `moeflux-mlx compare`. Needs moeflux-mlx importable (`pip install -e .`, or PYTHONPATH=.).
 """
 
