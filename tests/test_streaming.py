@@ -216,6 +216,14 @@ def test_ram_gate(monkeypatch, caplog):
     monkeypatch.delenv("MOEFLUX_EXPERT_IO", raising=False)
     assert select_expert_io(int(0.75 * VM.total) + 1) == "pread"
     assert select_expert_io(int(0.75 * VM.total)) == "mmap"
+    # experts many times RAM: uncached reads on Linux; macOS's are not measured, so pread there
+    monkeypatch.setattr(store.sys, "platform", "linux")
+    assert select_expert_io(8 * VM.total + 1) == "direct"
+    assert select_expert_io(8 * VM.total) == "pread"
+    mode, why = store.choose_expert_io(8 * VM.total + 1)
+    assert mode == "direct" and "8 x RAM" in why
+    monkeypatch.setattr(store.sys, "platform", "darwin")
+    assert select_expert_io(8 * VM.total + 1) == "pread"
     monkeypatch.setenv("MOEFLUX_EXPERT_IO", "pread")
     assert select_expert_io(10) == "pread"
     assert select_expert_io(10, "mmap") == "mmap"  # the argument wins over the environment
@@ -226,7 +234,7 @@ def test_ram_gate(monkeypatch, caplog):
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings and "bogus" in warnings[0].getMessage()
     decisions = [r.getMessage() for r in caplog.records if r.getMessage().startswith("expert I/O")]
-    assert len(decisions) == 1 and "0.12 GB" in decisions[0] and "RAM 17.18 GB" in decisions[0]
+    assert len(decisions) == 1 and "123.46 MB" in decisions[0] and "RAM 17.18 GB" in decisions[0]
 
 
 def test_pread_turns_readahead_off(tiny_checkpoints, monkeypatch):

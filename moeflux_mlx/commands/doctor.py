@@ -48,7 +48,7 @@ from ..format.checkpoint import expert_layout, read_config
 from ..format.layout import ModelLayout
 from ..format.safetensors import index_directory
 from ..io.bandwidth import read_bandwidth
-from ..io.store import RAM_FRACTION, select_expert_io
+from ..io.store import choose_expert_io
 from ..model.calibrate import calibrate
 from ..model.load import load
 from ..model.runtime import machine_choices
@@ -409,8 +409,7 @@ def _model_rows(path: Path, given: dict, bench: bool) -> List[Tuple[str, str]]:
     dense = dense_bytes(path)
     per_token = sum(k * lay.blob_size for lay in layout.layers.values())
     options = LoadOptions.resolve(**given)
-    mode = select_expert_io(total, options.expert_io)
-    ram = psutil.virtual_memory().total
+    mode, gate_why = choose_expert_io(total, options.expert_io)
     rows = [
         ("model", str(path)),
         (
@@ -420,7 +419,7 @@ def _model_rows(path: Path, given: dict, bench: bool) -> List[Tuple[str, str]]:
         ("expert bytes per token", f"{fmt_bytes(per_token)} (top-{k} of each MoE layer)"),
         (
             "RAM gate",
-            f"{mode} (experts {fmt_bytes(total)} vs {RAM_FRACTION} x RAM = {fmt_bytes(RAM_FRACTION * ram)})",
+            f"{mode} ({gate_why})",
         ),
     ]
     budget, why = recommended_budget(total, dense)

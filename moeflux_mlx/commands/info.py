@@ -22,7 +22,7 @@ from ..compute.kernels import ExpertSpec
 from ..format.checkpoint import is_packed, packed_layout, read_config, scan_checkpoint
 from ..format.layout import ModelLayout
 from ..format.safetensors import index_directory
-from ..io.store import RAM_FRACTION, open_store, select_expert_io
+from ..io.store import choose_expert_io, open_store
 from ..model.experts import build_model, find_experts, top_k_of
 from ..model.runtime import machine_choices
 from ..options import LoadOptions, budget_unit
@@ -170,18 +170,12 @@ def describe(path: Path, given: Optional[dict] = None) -> list:
 
     total = layout.total_expert_bytes
     ram = psutil.virtual_memory()
-    mode = select_expert_io(total, options.expert_io)
+    mode, why = choose_expert_io(total, options.expert_io)
     source = options.source("expert_io", given)
     if source.startswith("--"):
         why = f"requested: {source} {options.expert_io}"
     elif source != "default":
         why = f"requested: {source}"
-    else:
-        cmp = ">" if total > RAM_FRACTION * ram.total else "<="
-        why = (
-            f"auto: experts {fmt_bytes(total)} {cmp} {RAM_FRACTION} x RAM "
-            f"{fmt_bytes(ram.total)} = {fmt_bytes(RAM_FRACTION * ram.total)}"
-        )
     # valid: LoadOptions.resolve checked it; auto as a load would choose it (the curve file)
     chosen = resolve_budget(options.cache_budget, layout, path, options.eviction)
     budget = chosen.bytes

@@ -4,8 +4,7 @@ The sources of each layer's bytes are ``format.readers``' ``PackedLayer`` / ``Sa
 Three I/O modes read them: ``pread`` into reusable staging buffers, a call's bytes dealt in equal
 shares to a thread pool (the GIL is released while the kernel copies); ``direct``, the same reads
 bypassing the page cache (``uncached``); or copies out of an ``mmap`` of the same files. The RAM
-gate (``select_expert_io``) chooses between ``pread`` and ``mmap``; ``direct`` is only chosen by
-the user.
+gate (``select_expert_io``) chooses among them by the experts' size against RAM.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import sys
 import threading
 import time
 import zlib
@@ -49,6 +49,13 @@ from .uncached import UncachedFile, aligned_empty, open_uncached
 log = logging.getLogger(__name__)
 
 RAM_FRACTION = 0.75
+# Experts above this many times RAM are read with ``direct`` by default, on Linux. The page cache
+# can then hold at most an eighth of them, and there (H200, 25% budget, the page cache held to a
+# share of the experts by another process) pread decoded at 0.75x direct with the cache dropped,
+# 0.94x with a tenth of the experts cached, 1.25x with a quarter: direct pays below about a
+# sixth (docs/results.md, "When direct pays"). macOS's uncached reads (F_NOCACHE) have not been
+# measured, so there the gate keeps pread.
+DIRECT_RAM_RATIO = 8
 STAGING_KEEP_BYTES = 256 << 20  # larger reads (prefill) get a buffer of their own, not kept
 # Reads are split into pieces of at most this size across the read threads: one expert read
 # as a single pread is latency-bound on a cold disk (a VM disk at 1.6 GB/s with 8 threads
@@ -77,10 +84,20 @@ SKIP_GAP_BYTES = 16 << 10
 _gate_logged: set = set()
 
 
-def select_expert_io(total_expert_bytes: int, requested: Optional[str] = None) -> str:
-    """The RAM gate: ``pread`` when the experts exceed 0.75 x physical RAM, else ``mmap``.
+def choose_expert_io(total_expert_bytes: int, requested: Optional[str] = None) -> Tuple[str, str]:
+    """The RAM gate: the I/O mode for experts of ``total_expert_bytes``, and why.
 
-    ``requested`` (the ``expert_io=`` argument) or ``MOEFLUX_EXPERT_IO`` override it."""
+    ``direct`` when the experts exceed ``DIRECT_RAM_RATIO`` x physical RAM (Linux), ``pread``
+    when they exceed ``RAM_FRACTION`` x RAM, else ``mmap``. ``requested`` (the ``expert_io=``
+    argument) or ``MOEFLUX_EXPERT_IO`` override it; an unknown mode warns and counts as auto.
+
+    Args:
+        total_expert_bytes: the model's expert bytes.
+        requested: ``auto``, ``mmap``, ``pread``, ``direct`` or None (the environment, else auto).
+
+    Returns:
+        ``(mode, reason)``, e.g. ``("pread", "auto: experts 16.31 GB > 0.75 x RAM 8.59 GB")``.
+    """
     ram = psutil.virtual_memory().total
     choice = requested or from_environment().get("expert_io") or "auto"
     if choice not in IO_MODES:
@@ -91,14 +108,34 @@ def select_expert_io(total_expert_bytes: int, requested: Optional[str] = None) -
             ", ".join(IO_MODES),
         )
         choice = "auto"
-    if choice == "auto":
-        mode = "pread" if total_expert_bytes > RAM_FRACTION * ram else "mmap"
-        why = (
-            f"experts {total_expert_bytes / 1e9:.2f} GB {'>' if mode == 'pread' else '<='} "
-            f"{RAM_FRACTION} x RAM {ram / 1e9:.2f} GB"
+    if choice != "auto":
+        return choice, "requested"
+    experts, of_ram = _size(total_expert_bytes), f"x RAM {_size(ram)}"
+    if total_expert_bytes > DIRECT_RAM_RATIO * ram and sys.platform.startswith("linux"):
+        return "direct", (
+            f"auto: experts {experts} > {DIRECT_RAM_RATIO} {of_ram}: the page cache could hold "
+            "too few of them to pay for itself"
         )
-    else:
-        mode, why = choice, "requested"
+    if total_expert_bytes > RAM_FRACTION * ram:
+        return "pread", f"auto: experts {experts} > {RAM_FRACTION} {of_ram}"
+    return "mmap", f"auto: experts {experts} <= {RAM_FRACTION} {of_ram}"
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.2f} MB"
+
+
+def select_expert_io(total_expert_bytes: int, requested: Optional[str] = None) -> str:
+    """The RAM gate's mode (``choose_expert_io``), logged once per model size and choice.
+
+    Args:
+        total_expert_bytes: the model's expert bytes.
+        requested: as ``choose_expert_io``'s.
+
+    Returns:
+        ``mmap``, ``pread`` or ``direct``.
+    """
+    mode, why = choose_expert_io(total_expert_bytes, requested)
     key = (total_expert_bytes, mode, why)
     if key not in _gate_logged:
         _gate_logged.add(key)
