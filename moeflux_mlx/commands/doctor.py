@@ -32,9 +32,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+import mlx.nn as nn
 import psutil
 
 from .. import __version__
@@ -158,12 +159,30 @@ def dense_bytes(path: Path) -> int:
 
 
 def measure_decode(
-    path: Path, budget, tokens: int = DECODE_TOKENS, cold: bool = False, **options
+    path: Path,
+    budget,
+    tokens: int = DECODE_TOKENS,
+    cold: bool = False,
+    prompt: Optional[Sequence[int]] = None,
+    prepare: Optional[Callable[[nn.Module], object]] = None,
+    **options,
 ) -> Tuple[float, float, dict]:
-    """Greedy decode of ``tokens`` tokens after a short warm-up: ``(seconds per token, of which
-    reading and uploading experts, stats_dict)``. Reads are warm (the page cache keeps what the
-    warm-up read) unless ``cold``: then the page cache is dropped every millisecond while
-    decoding (``pread`` reads only: mapped pages cannot be dropped)."""
+    """Greedy decode of ``tokens`` tokens after a short warm-up. Reads are warm (the page cache
+    keeps what the warm-up read) unless ``cold``: then the page cache is dropped every
+    millisecond while decoding (``pread`` reads only: mapped pages cannot be dropped).
+
+    Args:
+        path: the model directory.
+        budget: its cache budget.
+        tokens: decode tokens timed.
+        cold: drop the page cache while decoding.
+        prompt: token ids decoded after (None: eight fixed ids).
+        prepare: run on the loaded model first (the forecast benchmark replays a routing trace).
+        **options: load options.
+
+    Returns:
+        ``(seconds per token, of which reading and uploading experts, stats_dict)``.
+    """
     from mlx_lm.generate import generate_step
 
     from ..io.bandwidth import PageCacheDropper, expert_files
@@ -171,10 +190,12 @@ def measure_decode(
     model, _ = load(path, cache_budget=budget, **options)
     rt = model.moeflux
     try:
-        prompt = mx.array([1, 2, 3, 4, 5, 6, 7, 8])
+        if prepare is not None:
+            prepare(model)
+        ids = mx.array(list(prompt) if prompt is not None else [1, 2, 3, 4, 5, 6, 7, 8])
 
         def run(n):
-            gen = generate_step(prompt, model, max_tokens=n + 1)
+            gen = generate_step(ids, model, max_tokens=n + 1)
             next(gen)  # prefill
             mx.synchronize()
             rt.reset_stats()
@@ -200,11 +221,28 @@ def measure_decode(
         rt.close()
 
 
-def record_curve(path: Path, timing: Timing, **options) -> HitCurve:
+def record_curve(
+    path: Path, timing: Timing, prepare: Optional[Callable[[nn.Module], object]] = None, **options
+) -> HitCurve:
     """Load the model at the default budget (routing does not depend on it), record its routing
-    on the built-in text and record the curve with ``timing`` (``model.calibrate``)."""
+    on the built-in text and record the curve with ``timing`` (``model.calibrate``).
+
+    Args:
+        path: the model directory.
+        timing: the measured bandwidth and compute time, recorded with the curve.
+        prepare: run on the loaded model first (the forecast benchmark replays a routing trace).
+        **options: load options.
+
+    Returns:
+        The curve, with the file it was written to.
+
+    Raises:
+        OSError: the curve could be written neither beside the model nor in the user cache.
+    """
     model, tokenizer = load(path, **options)
     try:
+        if prepare is not None:
+            prepare(model)
         return calibrate(model, tokenizer, path, timing=timing)
     finally:
         model.moeflux.close()
