@@ -179,9 +179,9 @@ def format_bound(result: dict) -> str:
 
 BOUND_NOTE = (
     "bound s: the bytes the prefill moved (to idle) at the slower of the copy rate measured in "
-    "this run (a buffer of one layer's bytes: on CUDA the GPU copying out of host-mapped "
-    "memory, as a whole-layer read's staging is; on another GPU an mx.array made from numpy; on "
-    "the CPU a memcpy) and, for cold runs, the disk's cold read rate; bound's rate names which. "
+    "this run (a buffer of one layer's bytes: on CUDA the copy engine out of page-locked "
+    "memory, 128 experts' rows, as a whole-layer read's are moved; on another GPU an mx.array "
+    "made from numpy; on the CPU a memcpy) and, for cold runs, the disk's cold read rate; bound's rate names which. "
     "share of bound: bound s / s to idle (1: the prefill took only as long as moving its bytes); "
     "stock, which moves none, beside it."
 )

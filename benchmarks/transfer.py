@@ -107,9 +107,9 @@ def copies(store_path: Path, layer: int, rounds: int, pinned) -> list:
                 ("page-locked staging", staging),
                 ("pinned files", files.sources[layer]),
             ):
-                s = _best(lambda s=src: layer_copy.copy_layer(s, lay), rounds)
+                s = _best(lambda s=src: layer_copy.copy_layer(s, lay, "layer"), rounds)
                 row(f"copy engine from {name}", s)
-            got = layer_copy.copy_layer(staging, lay)
+            got = layer_copy.copy_layer(staging, lay, "layer")
             same = all(
                 np.array_equal(np.array(got[c.name]), rows_)
                 for c, rows_ in zip(lay.components, staging.rows)
@@ -131,12 +131,13 @@ def copies(store_path: Path, layer: int, rounds: int, pinned) -> list:
         def both():
             out = [a @ a for _ in range(6)]
             mx.async_eval(out)
-            layer_copy.copy_layer(staging, lay)
+            layer_copy.copy_layer(staging, lay, "layer")
             mx.eval(out)
 
         row("overlap: compute alone", _best(lambda: mx.eval([a @ a for _ in range(6)]), rounds))
         row(
-            "overlap: copy engine alone", _best(lambda: layer_copy.copy_layer(staging, lay), rounds)
+            "overlap: copy engine alone",
+            _best(lambda: layer_copy.copy_layer(staging, lay, "layer"), rounds),
         )
         row("overlap: both", _best(both, rounds))
     finally:

@@ -16,6 +16,7 @@ from .errors import (
     CheckpointError,
     ConvertError,
     CurveError,
+    DeviceCopyError,
     DeviceSetupError,
     DeviceWaitError,
     ExpertFileError,
@@ -62,6 +63,7 @@ __all__ = [
     "ModelClosedError",
     "DeviceWaitError",
     "DeviceSetupError",
+    "DeviceCopyError",
     "OptionError",
 ]
 

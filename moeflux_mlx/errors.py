@@ -15,6 +15,7 @@
     ├── ModelClosedError (RuntimeError)     the model was closed
     ├── DeviceWaitError (RuntimeError)      the GPU gave up waiting for the miss server, or it died
     ├── DeviceSetupError (RuntimeError)     CUDA's runtime refused pinned, mapped memory
+    ├── DeviceCopyError (RuntimeError)      the GPU's copy of a prefill's layer failed
     ├── OptionError (ValueError)            a load option or its MOEFLUX_* variable is not one it takes
     ├── CurveError (ValueError)             a hit-rate curve file is unreadable or another model's
     └── ConvertError                        convert could not finish (DST exists, write failed, verify)
@@ -85,6 +86,12 @@ class DeviceSetupError(MoefluxError, RuntimeError):
     """CUDA's runtime refused to page-lock or map memory for the GPU (the device-side table's
     control block and staging, or the expert files with ``pin_experts``), or the files to pin
     do not fit in RAM."""
+
+
+class DeviceCopyError(MoefluxError, RuntimeError):
+    """CUDA's copy engine failed to move a prefill's layer to the device (``cudaMemcpy*`` or the
+    wait for it returned an error). A CUDA error of this kind usually stays with the process:
+    load the model again, or restart."""
 
 
 class OptionError(MoefluxError, ValueError):

@@ -26,7 +26,7 @@ ROWS = 2.0  # the tiny models route 4 of 16 experts: a 40-token prompt has 10 ro
 
 
 # how slots and whole layers are written: from the host, or through device staging (a
-# prefill's layers then copied out of it by the copy kernel on CUDA, MLX's copies elsewhere)
+# prefill's layers then copied out of it by the copy engine on CUDA, from host rows elsewhere)
 WRITES = ["host", "device"]
 
 
@@ -405,7 +405,7 @@ def test_layer_copy_copies_every_component(shape, dtype):
         for turn in range(3):
             rows = np.random.default_rng(turn).integers(0, 256, (n, layout.blob_size), np.uint8)
             staging.buffer(turn % 2, n, layout.blob_size)[:] = rows
-            got = staging.copy(turn % 2, layout)
+            got = staging.copy(turn % 2, layout, "layer 0")
             for c in layout.components:
                 want = rows[:, c.offset : c.offset + c.nbytes]
                 assert np.array_equal(np.array(got[c.name]), want), (turn, c.name)
@@ -421,12 +421,75 @@ def test_layer_copy_copies_every_component(shape, dtype):
             parts.append(buf[at : at + n * c.nbytes].reshape(n, c.nbytes))
             at += n * c.nbytes
         sources = LayerSources(ptrs, [c.nbytes for c in layout.components], parts)
-        got = layer_copy.copy_layer(sources, layout)
+        got = layer_copy.copy_layer(sources, layout, "layer 0")
         for c, want in zip(layout.components, parts):
             assert np.array_equal(np.array(got[c.name]), want), c.name
     finally:
         staging.close()
     assert staging.nbytes == 0
+
+
+def test_a_failed_copy_names_the_layer_and_waits_for_the_rest(monkeypatch):
+    """A copy the CUDA runtime refuses raises ``DeviceCopyError`` naming the layer, the call,
+    the component and CUDA's words, after waiting for the copies already queued (none left in
+    flight). CUDA's runtime and the address kernel are stood in for: this runs on any machine."""
+    import types
+
+    from moeflux_mlx.cuda import layer_copy
+    from moeflux_mlx.cuda import runtime as cuda_runtime
+    from moeflux_mlx.cuda.pinned_files import LayerSources
+    from moeflux_mlx.errors import DeviceCopyError
+    from moeflux_mlx.format.layout import ExpertLayout
+
+    n = 4
+    layout = ExpertLayout.from_tensors(
+        {
+            "gate_proj.weight": ("BF16", (n, 8, 4)),
+            "up_proj.weight": ("BF16", (n, 8, 4)),
+            "down_proj.weight": ("BF16", (n, 4, 8)),
+        },
+        None,
+    )
+    calls = []
+
+    def call(name, result):
+        def f(*args):
+            calls.append(name)
+            return result
+
+        return f
+
+    lib = types.SimpleNamespace(
+        cudaStreamCreateWithFlags=call("create", 0),
+        cudaMemcpyAsync=call("copy", 0),
+        cudaMemcpy2DAsync=call("copy2d", 700),  # cudaErrorIllegalAddress
+        cudaStreamSynchronize=call("sync", 0),
+        cudaGetErrorString=lambda err: b"an illegal memory access was encountered",
+    )
+    monkeypatch.setattr(cuda_runtime, "_cudart", lambda: (lib, "13"))
+    monkeypatch.setattr(layer_copy, "_address_stream", lambda: mx.cpu)
+
+    def made(inputs, output_shapes, output_dtypes, **launch):
+        return [mx.zeros(output_shapes[0], mx.uint8), mx.array([4096], mx.uint64)]
+
+    monkeypatch.setattr(layer_copy, "_address_kernel", lambda: made)
+    layer_copy._copy_stream.cache_clear()
+    try:
+        rows = np.zeros((n, layout.blob_size), np.uint8)
+        sources = LayerSources(
+            [1 << 20] * 3,
+            [layout.blob_size] * 3,  # strided: every component is a 2-D copy
+            [rows[:, c.offset : c.offset + c.nbytes] for c in layout.components],
+        )
+        with pytest.raises(DeviceCopyError) as err:
+            layer_copy.copy_layer(sources, layout, "layer 3")
+    finally:
+        layer_copy._copy_stream.cache_clear()
+    assert str(err.value) == (
+        "layer 3: copying the experts to the device failed (cudaMemcpy2DAsync of "
+        "gate_proj.weight: an illegal memory access was encountered); load the model again"
+    )
+    assert calls == ["create", "copy2d", "sync"]
 
 
 @contextlib.contextmanager

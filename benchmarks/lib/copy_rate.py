@@ -21,6 +21,7 @@ import numpy as np
 # a copy buffer never takes more than this (a layer of a large model is over a GB)
 MAX_COPY_BYTES = 2 << 30
 MIN_COPY_BYTES = 1 << 20
+EXPERTS = 128  # rows of the timed layer (the Qwen3-30B-A3B shape's experts a layer)
 
 
 def _best_rate(nbytes: int, once: Callable[[], None], rounds: int) -> float:
@@ -33,9 +34,10 @@ def _best_rate(nbytes: int, once: Callable[[], None], rounds: int) -> float:
     return nbytes / max(best, 1e-9)
 
 
-def _cuda_copy(nbytes: int) -> Optional[Callable[[], None]]:
-    """A layer of ``nbytes`` (fc1/fc2 halves of one expert) copied by ``layer_copy.copy_layer``
-    out of a page-locked buffer, as a prefill's whole layers are; None without CUDA's runtime."""
+def _cuda_copy_rate(nbytes: int, rounds: int) -> Optional[float]:
+    """Bytes/s of ``layer_copy.copy_layer`` moving a layer of ``nbytes`` out of a page-locked
+    buffer as a prefill moves a packed layer: ``EXPERTS`` rows of fc1/fc2 halves, each half a
+    strided copy of a row from every expert. None without CUDA's runtime."""
     if not (hasattr(mx, "cuda") and mx.cuda.is_available() and mx.default_device() == mx.gpu):
         return None
     from moeflux_mlx.cuda import layer_copy
@@ -45,18 +47,27 @@ def _cuda_copy(nbytes: int) -> Optional[Callable[[], None]]:
 
     if not cuda_runtime_available():
         return None
-    half = nbytes // 4 * 2  # bytes of each of two BF16 components
+    half = max(nbytes // EXPERTS // 4 * 2, 2)  # bytes of each BF16 component of an expert
+    shape = (EXPERTS, half // 2)
     layout = ExpertLayout.from_tensors(
-        {"fc1.weight": ("BF16", (1, half // 2)), "fc2.weight": ("BF16", (1, half // 2))}, None
+        {"fc1.weight": ("BF16", shape), "fc2.weight": ("BF16", shape)}, None
     )
-    buf = PinnedBuffer(layout.blob_size)
-    rows = buf.array[: layout.blob_size].reshape(1, -1)
-    sources = LayerSources(
-        [buf.device_ptr + c.offset for c in layout.components],
-        [layout.blob_size] * len(layout.components),
-        [rows[:, c.offset : c.offset + c.nbytes] for c in layout.components],
-    )
-    return lambda: mx.eval(list(layer_copy.copy_layer(sources, layout).values()))
+    size = EXPERTS * layout.blob_size
+    buf = PinnedBuffer(size)
+    try:
+        rows = buf.array[:size].reshape(EXPERTS, layout.blob_size)
+        sources = LayerSources(
+            [buf.device_ptr + c.offset for c in layout.components],
+            [layout.blob_size] * len(layout.components),
+            [rows[:, c.offset : c.offset + c.nbytes] for c in layout.components],
+        )
+
+        def once() -> None:
+            mx.eval(list(layer_copy.copy_layer(sources, layout, "copy rate").values()))
+
+        return _best_rate(size, once, rounds)
+    finally:
+        buf.close()
 
 
 def copy_rate(nbytes: int, rounds: int = 5) -> Tuple[float, str]:
@@ -65,9 +76,8 @@ def copy_rate(nbytes: int, rounds: int = 5) -> Tuple[float, str]:
     device here."""
     n = int(min(max(nbytes, MIN_COPY_BYTES), MAX_COPY_BYTES))
     if mx.default_device() == mx.gpu:
-        engine = _cuda_copy(n)
-        if engine is not None:
-            rate = _best_rate(n, engine, rounds)
+        rate = _cuda_copy_rate(n, rounds)
+        if rate is not None:
             return rate, "the copy engine out of page-locked memory (layer_copy.copy_layer)"
         src = np.ones(n, np.uint8)
 

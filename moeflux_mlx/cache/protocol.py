@@ -103,8 +103,9 @@ class LayerStaging(Protocol):
         of it has landed: ``copy`` returns only then)."""
         ...
 
-    def copy(self, i: int, layout: ExpertLayout) -> Dict[str, mx.array]:
-        """The layer in buffer ``i``, each component as a device array, the copies landed."""
+    def copy(self, i: int, layout: ExpertLayout, what: str) -> Dict[str, mx.array]:
+        """The layer in buffer ``i``, each component as a device array, the copies landed
+        (``what`` names the layer for errors)."""
         ...
 
     def close(self) -> None: ...

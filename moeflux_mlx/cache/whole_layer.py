@@ -27,7 +27,7 @@ Who writes what, and when:
 - A layer's device arrays reach MLX only once their copies have landed: the copy engine runs
   on a stream MLX cannot wait for, so ``take`` waits for it on the host. ``lookup`` queues the
   previous layer's computation first, so the copy of layer L runs beside the computation of
-  layer L-1.
+  layer L-1 (``cuda.layer_copy`` says what of it may wait).
 - Every read takes all of the store's read threads, whatever its I/O mode (``store.read``'s
   ``whole``): one thread copying out of a mapping moved 1.8 GB/s on an H200's host, 16 preads
   28-35 GB/s, faster than the copy to the device (``benchmarks/transfer.py``).
@@ -162,6 +162,7 @@ class WholeLayerPrefill:
         stats.sync_s += time.perf_counter() - t0  # waiting for the device
         if older is not None:
             self._learn(older)
+        del older  # its pool is freed here, before this layer's arrays are made
         pool = self.reads.take(layer, stats)
         nxt = self._next(layer)
         if nxt is not None:
@@ -217,8 +218,8 @@ class WholeLayerReads:
         self._ahead: Optional[_Read] = None
         self._turn = 0  # the staging buffer the next read takes
         self._host_buf: Optional[np.ndarray] = None  # host writes: the read's own buffer
-        # layer -> its every expert's components as device arrays, copied lazily out of the
-        # pinned expert files (set by the cache that pinned them, before the first prefill)
+        # layer -> a function copying its every expert's components out of the pinned expert
+        # files into device arrays (set by the cache that pinned them, before the first prefill)
         self.pinned: Dict[int, Callable[[], Dict[str, mx.array]]] = {}
 
     # -- buffers ---------------------------------------------------------------------------
@@ -339,7 +340,7 @@ class WholeLayerReads:
             assert read.raw is not None
             return _typed_pool(read.raw, layout)
         assert staging is not None
-        return _typed_pool(staging.copy(read.staged, layout), layout)
+        return _typed_pool(staging.copy(read.staged, layout, f"layer {read.layer}"), layout)
 
     def close(self) -> None:
         """Wait for a read under way and let go of the buffers."""

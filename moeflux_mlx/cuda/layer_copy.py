@@ -11,7 +11,8 @@ took 14.4 ms where they took 9.2 and 7.4 alone.
 
 MLX cannot wait for a stream it does not own, so the host does: ``copy_layer`` returns
 once its copies have landed, and only then can MLX see the arrays. The caller queues the
-previous layer's computation first, so the copy runs beside it. The destination arrays are new
+previous layer's computation first, so the copy runs beside it (all but the one-thread kernel
+that makes the destination arrays, which may wait for an SM behind that computation). The destination arrays are new
 MLX arrays for each layer, never written again: a lazy output that still reads a layer (one
 nobody evaluated yet) stays correct.
 """
@@ -26,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..compute.kernel_source import load_source, text_digest
-from ..errors import DeviceSetupError
+from ..errors import DeviceCopyError, DeviceSetupError
 from ..format.layout import ExpertLayout
 from . import runtime
 from .pinned_files import LayerSources
@@ -35,25 +36,29 @@ MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the addresses (unifi
 NON_BLOCKING = 1  # cudaStreamNonBlocking: no implicit order with the legacy default stream
 
 
-def copy_layer(sources: LayerSources, layout: ExpertLayout) -> Dict[str, mx.array]:
+def copy_layer(sources: LayerSources, layout: ExpertLayout, what: str) -> Dict[str, mx.array]:
     """Each component of a layer's every expert as a ``[n, nbytes]`` uint8 device array, copied
     out of page-locked ``sources`` by the copy engine; returns once the copies have landed.
     Without CUDA's runtime (tests, the CPU) the same bytes are copied from the host rows.
 
-    Who writes what, and when: the copies write into arrays made here (by a kernel that only
-    reports their addresses: asking MLX for an array's address from the host would move it to
+    Who writes what, and when: the copies write into arrays made here, by a kernel that only
+    reports their addresses (asking MLX for an array's address from the host would move it to
     managed memory and synchronize the device), and land before the arrays are returned:
-    nothing else holds them before, nothing writes them after.
+    nothing else holds them before, nothing writes them after. This relies on MLX handing a
+    buffer to a new array only once the work that last used it has finished, as its allocator
+    does for every stream.
 
     Args:
         sources: where the layer's components lie in page-locked memory.
         layout: the layer's expert layout.
+        what: the layer, for errors (``"layer 12"``).
 
     Returns:
         The arrays by component name.
 
     Raises:
-        DeviceSetupError: CUDA refused a stream or a copy.
+        DeviceSetupError: CUDA refused a stream for the copies.
+        DeviceCopyError: a copy failed.
     """
     n, rt = layout.num_experts, runtime._cudart()
     if rt is None or not all(sources.device_ptrs):
@@ -62,8 +67,10 @@ def copy_layer(sources: LayerSources, layout: ExpertLayout) -> Dict[str, mx.arra
             for c, rows in zip(layout.components, sources.rows)
         }
     lib, stream = rt[0], _copy_stream()
-    # made on a stream of their own, not queued behind the computation on the default one
-    with mx.stream(_alloc_stream()):
+    # Made on a stream of their own, not queued behind the computation on the default one. The
+    # kernel may still wait for a free SM behind that computation's kernels: part of the host's
+    # wait in this function (benchmarks/prefill.py's "copy to device") is that.
+    with mx.stream(_address_stream()):
         tick = mx.array(0, mx.uint32)
         made = {
             c.name: _address_kernel()(
@@ -76,11 +83,11 @@ def copy_layer(sources: LayerSources, layout: ExpertLayout) -> Dict[str, mx.arra
             for c in layout.components
         }
     mx.eval(list(made.values()))
-    out = {name: arrays[0] for name, arrays in made.items()}
-    errors = []
+    failed = None
     for c, src, stride in zip(layout.components, sources.device_ptrs, sources.strides):
         dst = int(np.array(made[c.name][1])[0])  # device memory, where MLX put it
         if stride == c.nbytes:  # one run
+            call = "cudaMemcpyAsync"
             err = lib.cudaMemcpyAsync(
                 ctypes.c_void_p(dst),
                 ctypes.c_void_p(src),
@@ -89,6 +96,7 @@ def copy_layer(sources: LayerSources, layout: ExpertLayout) -> Dict[str, mx.arra
                 stream,
             )
         else:  # a row of each expert
+            call = "cudaMemcpy2DAsync"
             err = lib.cudaMemcpy2DAsync(
                 ctypes.c_void_p(dst),
                 ctypes.c_size_t(c.nbytes),
@@ -100,14 +108,26 @@ def copy_layer(sources: LayerSources, layout: ExpertLayout) -> Dict[str, mx.arra
                 stream,
             )
         if err:
-            errors.append(f"{c.name} (error {err})")
+            failed = f"{call} of {c.name}: {_error_text(lib, err)}"
             break
     err = lib.cudaStreamSynchronize(stream)  # even after a refusal: nothing left in flight
-    if err:
-        errors.append(f"waiting for the copies (error {err})")
-    if errors:
-        raise DeviceSetupError(f"copying a layer's experts to the device failed: {errors[0]}")
-    return out
+    if err and failed is None:
+        failed = f"waiting for the copies: {_error_text(lib, err)}"
+    if failed is not None:
+        raise DeviceCopyError(
+            f"{what}: copying the experts to the device failed ({failed}); load the model again"
+        )
+    return {name: arrays[0] for name, arrays in made.items()}
+
+
+def _error_text(lib, err: int) -> str:
+    """CUDA's own words for error ``err`` (its number where the runtime has none)."""
+    try:
+        lib.cudaGetErrorString.restype = ctypes.c_char_p
+        text = lib.cudaGetErrorString(err)
+    except AttributeError:
+        text = None
+    return text.decode() if text else f"error {err}"
 
 
 @functools.cache
@@ -116,13 +136,13 @@ def _copy_stream() -> ctypes.c_void_p:
     stream = ctypes.c_void_p()
     err = runtime._cudart()[0].cudaStreamCreateWithFlags(ctypes.byref(stream), NON_BLOCKING)
     if err:
-        _copy_stream.cache_clear()
         raise DeviceSetupError(f"cudaStreamCreateWithFlags failed (error {err})")
     return stream
 
 
 @functools.cache
-def _alloc_stream() -> mx.Stream:
+def _address_stream() -> mx.Stream:
+    """The GPU stream the copies' destination arrays are made on (``_address_kernel``)."""
     return mx.new_stream(mx.gpu)
 
 
@@ -178,8 +198,9 @@ class PinnedStaging:
         self._shape[i] = (n, blob_size)
         return buf.array[:nbytes].reshape(n, blob_size)
 
-    def copy(self, i: int, layout: ExpertLayout) -> Dict[str, mx.array]:
-        """Each component of the layer read into buffer ``i`` as a device array, landed."""
+    def copy(self, i: int, layout: ExpertLayout, what: str) -> Dict[str, mx.array]:
+        """Each component of the layer read into buffer ``i`` as a device array, landed
+        (``copy_layer``; ``what`` names the layer for errors)."""
         buf = self._bufs[i]
         assert buf is not None
         n, size = self._shape[i]
@@ -189,7 +210,7 @@ class PinnedStaging:
             [size] * len(layout.components),
             [rows[:, c.offset : c.offset + c.nbytes] for c in layout.components],
         )
-        return copy_layer(sources, layout)
+        return copy_layer(sources, layout, what)
 
     def close(self) -> None:
         """Unlock and free the buffers (no copy out of them is under way: each ``copy``

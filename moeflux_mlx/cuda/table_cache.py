@@ -37,13 +37,13 @@ from ..cache.pool import ExpertPool, InPlaceExperts, SlotPool, write_blobs
 from ..cache.protocol import WHOLE_PASS, PassPlan
 from ..cache.slots import SlotCache
 from ..counters import LayerStats, Stats
-from ..format.layout import ExpertLayout, ModelLayout
+from ..format.layout import ModelLayout
 from ..io.store import ExpertStore
 from ..options import LoadOptions
-from . import table_kernels
+from . import layer_copy, table_kernels
 from .control_block import HOST_ADMIT, HOST_RELEASE, MAX_SELECTIONS, ControlBlock, TableLayer
 from .miss_client import MissServer
-from .pinned_files import LayerSources, PinnedExperts, pin_by_default
+from .pinned_files import PinnedExperts, pin_by_default
 from .runtime import PinnedBuffer
 
 log = logging.getLogger(__name__)
@@ -175,15 +175,15 @@ class DeviceTable:
         log.info("pin_experts auto: %s (%s)", "on" if pin else "off", why)
         return pin
 
-    def whole_layer_copies(
-        self, copy: Callable[[LayerSources, ExpertLayout], Dict[str, mx.array]]
-    ) -> Dict[int, Callable[[], Dict[str, mx.array]]]:
-        """A prefill's whole layer copied by ``copy`` (``layer_copy.copy_layer``)
-        out of the pinned files, never read."""
+    def whole_layer_copies(self) -> Dict[int, Callable[[], Dict[str, mx.array]]]:
+        """A prefill's whole layer copied by the GPU's copy engine out of the pinned files
+        (``layer_copy.copy_layer``), never read."""
         if self.pinned is None:
             return {}
         return {
-            layer: functools.partial(copy, sources, self.store.layout(layer))
+            layer: functools.partial(
+                layer_copy.copy_layer, sources, self.store.layout(layer), f"layer {layer}"
+            )
             for layer, sources in self.pinned.sources.items()
         }
 

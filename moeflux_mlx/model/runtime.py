@@ -199,7 +199,7 @@ def make_cache(
     table: Optional[DeviceTable] = None
     if use_table(options.tuning) and table_layers(layout, slots.n_slots):
         table = DeviceTable(store, layout, slots, options)
-        whole.reads.pinned.update(table.whole_layer_copies(layer_copy.copy_layer))
+        whole.reads.pinned.update(table.whole_layer_copies())
     elif options.pin_experts:  # asked for (None: the machine's choice, nothing to warn of)
         log.warning(
             "pin_experts: no layer is looked up by the device-side table (CUDA, a partial "
