@@ -10,13 +10,20 @@ script then measures decode at three budgets, with warm reads (page cache) and w
 (``pread``, the page cache dropped every millisecond), and prints and writes a
 forecast-versus-measured table. Goal: within +-20%.
 
+The measured decode continues the calibration text, so that it routes as the curve's tokens did.
+A random-weight model routes no text as a trained one does; ``--routing-trace`` replays a
+trained model's recorded routing in every router, both while the curve is recorded (always
+anew then) and while decode is measured, so the forecast is checked on real reuse and skew.
+
     python benchmarks/forecast.py                    # qwen3_moe "medium", float32, built once
+    python benchmarks/forecast.py --routing-trace benchmarks/results/traces/2026-11-25-trained-text.npz
     python benchmarks/forecast.py --model DIR --label h200
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import sys
 import time
@@ -35,6 +42,7 @@ from moeflux_mlx.commands.doctor import (  # noqa: E402
 from moeflux_mlx.format.checkpoint import expert_layout, is_packed  # noqa: E402
 from moeflux_mlx.format.convert import convert  # noqa: E402
 from moeflux_mlx.io.bandwidth import read_bandwidth  # noqa: E402
+from moeflux_mlx.model.calibrate import calibration_prompt  # noqa: E402
 from tests.support import synth  # noqa: E402
 
 BUDGETS = (0.25, 0.5, 0.75)
@@ -60,7 +68,15 @@ def main(argv=None) -> int:
     p.add_argument("--size", default="medium", choices=("small", "medium"))
     p.add_argument("--dtype", default="float32", help="activation dtype of the synth model")
     p.add_argument("--workdir", default="/tmp/moeflux-forecast")
-    p.add_argument("--tokens", type=int, default=24, help="decode tokens per measurement")
+    p.add_argument("--tokens", type=int, default=64, help="decode tokens per measurement")
+    p.add_argument(
+        "--routing-trace",
+        type=Path,
+        default=None,
+        metavar="TRACE",
+        help="replay this routing trace (benchmarks/cache_policy.py's .npz) in the routers; the "
+        "model must have its experts per layer and top-k (the medium model does: 64, top-8)",
+    )
     p.add_argument("--label", default="cpu2", help="machine label for the results file name")
     p.add_argument(
         "--recalibrate",
@@ -85,7 +101,20 @@ def main(argv=None) -> int:
     print(
         f"read bandwidth: cold {cold_bw / 1e9:.2f} GB/s, warm {warm_bw / 1e9:.2f} GB/s", flush=True
     )
-    s_res, io_res, st = measure_decode(path, "all", args.tokens, expert_io="pread")
+    prepare = None
+    if args.routing_trace is not None:
+        from benchmarks.lib.trace_routing import drive_routing, load_trace
+
+        trace = load_trace(args.routing_trace)
+        prepare = lambda model: drive_routing(model, trace, args.routing_trace)  # noqa: E731
+    from mlx_lm.utils import load_tokenizer
+
+    config = json.loads((path / "config.json").read_text())
+    vocab = config.get("text_config", config).get("vocab_size")
+    prompt = calibration_prompt(load_tokenizer(path), vocab)
+    s_res, io_res, st = measure_decode(
+        path, "all", args.tokens, prompt=prompt, prepare=prepare, expert_io="pread"
+    )
     compute = s_res - io_res
     resident_backend = st["backend"]
     routed = sum(k * lay.blob_size for lay in layout.layers.values())
@@ -95,13 +124,16 @@ def main(argv=None) -> int:
     )
 
     try:
-        curve = None if args.recalibrate else find_curve(path)
+        fresh = args.recalibrate or prepare is not None  # a trace's curve is recorded each run
+        curve = None if fresh else find_curve(path)
     except CurveError as e:
         print(f"{e}: recording it anew", flush=True)
         curve = None
     if curve is None or not curve.fits(layout, k) or "transition" not in curve.hit_rates:
         t0 = time.perf_counter()
-        curve = record_curve(path, Timing(warm_bw, compute, "warm"), expert_io="pread")
+        curve = record_curve(
+            path, Timing(warm_bw, compute, "warm"), prepare=prepare, expert_io="pread"
+        )
         print(f"recorded the hit-rate curve in {time.perf_counter() - t0:.1f} s", flush=True)
     print(f"hit-rate curve {curve.path} ({curve.tokens} tokens)", flush=True)
 
@@ -111,7 +143,13 @@ def main(argv=None) -> int:
             budget = int(f * total)
             fc = forecast(layout, k, budget, bw, compute, curve, "transition")
             s_tok, io_tok, st = measure_decode(
-                path, budget, args.tokens, cold=reads == "cold", expert_io="pread"
+                path,
+                budget,
+                args.tokens,
+                cold=reads == "cold",
+                prompt=prompt,
+                prepare=prepare,
+                expert_io="pread",
             )
             t = st["total"]
             n = st["decode_tokens"]
@@ -135,6 +173,7 @@ def main(argv=None) -> int:
         "tok/s forecast", "tok/s measured", "error",
     )  # fmt: skip
     errors = [abs(float(r[-1].rstrip("%"))) for r in rows]
+    routing = f"replayed from {args.routing_trace}" if prepare else "the model's own"
     within = sum(e <= GOAL for e in errors)
     lines = [
         f"# Decode forecast vs measured ({args.label}, {time.strftime('%Y-%m-%d')})",
@@ -150,15 +189,16 @@ def main(argv=None) -> int:
         f"cold {cold_bw / 1e9:.2f} GB/s, warm {warm_bw / 1e9:.2f} GB/s",
         f"- every expert resident: {1 / s_res:.2f} tok/s, {1e3 * compute:.1f} ms/token besides expert reads "
         f"(the forecast's compute term); backend {resident_backend}",
-        f"- {args.tokens} decode tokens per measurement after 4 warm-up tokens; `pread` reads; cold = page cache "
-        "dropped every millisecond while decoding",
+        f"- {args.tokens} decode tokens per measurement, continuing the calibration text, after 4 warm-up tokens; "
+        "`pread` reads; cold = page cache dropped every millisecond while decoding",
+        f"- routing: {routing}",
         "",
         "| " + " | ".join(head) + " |",
         "| " + " | ".join("---" for _ in head) + " |",
         *("| " + " | ".join(r) + " |" for r in rows),
         "",
-        f"- hit rates forecast from the curve `{curve.path}` ({curve.tokens} tokens of routing, "
-        "the built-in calibration text, replayed through the transition policy)",
+        f"- hit rates forecast from the curve `{curve.path}` ({curve.tokens} tokens of routing "
+        "on the built-in calibration text, replayed through the transition policy)",
         "",
         f"Within +-{GOAL}%: {within} of {len(rows)} (largest error {max(errors):.0f}%).",
         "",

@@ -587,3 +587,33 @@ def test_forecast_benchmark_records_the_curve_and_reuses_it(tmp_path, monkeypatc
     assert "Within +-20%:" in report and str(src / "moeflux-hit-curve.json") in report
     assert forecast.main(argv) == 0  # the curve is recorded: no second calibration
     assert "recorded the hit-rate curve" not in capsys.readouterr().out
+
+
+def test_forecast_benchmark_replays_a_trace_in_the_curve_and_the_decode(tmp_path, monkeypatch):
+    """With ``--routing-trace`` both the recorded curve and the measured decode route as the
+    trace does: a trace that always routes the same 4 of 16 experts hits every time once a
+    quarter of the experts fits, in the curve and in the measurement alike."""
+    import numpy as np
+
+    from benchmarks.lib.routing import RoutingTrace
+    from tests.support import synth
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    forecast = _benchmark_script("forecast")
+    src = synth.build_checkpoint(tmp_path / "m", "qwen3_moe", "tiny", seed=2)
+    tokens, layers = 64, 2
+    routed = np.tile(np.arange(4, dtype=np.uint8), (tokens, layers, 1))
+    trace = RoutingTrace(
+        routed=routed,
+        layers=list(range(layers)),
+        num_experts=[16] * layers,
+        tokens=np.full(tokens, -1),
+    ).save(tmp_path / "same4.npz")
+    out = tmp_path / "f.md"
+    argv = ["--model", str(src), "--tokens", "4", "--routing-trace", str(trace), "--out", str(out)]
+    assert forecast.main(argv) == 0
+    report = out.read_text()
+    assert f"routing: replayed from {trace}" in report
+    row = next(line for line in report.splitlines() if line.startswith("| 25% | warm |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2] == "100%" and cells[3] == "100%"  # hit rate: forecast, measured
