@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 from types import SimpleNamespace
 
 import pytest
@@ -175,6 +177,51 @@ def test_write_falls_back_to_the_user_cache_and_leaves_no_temporary_file(recorde
     assert C.find_curve(src).hit_rates == recorded.hit_rates
     assert [p.name for p in path.parent.iterdir()] == [path.name]
     assert [p.name for p in src.iterdir()] == [C.CURVE_FILE]  # no temporary file left
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_a_written_curve_has_the_mode_of_a_normal_file(recorded, tmp_path, umask):
+    """Readable by the other users of a shared model directory unless the umask says not."""
+    src = tmp_path / "m"
+    src.mkdir()
+    old = os.umask(umask)
+    try:
+        path = C.write_curve(src, recorded)
+    finally:
+        os.umask(old)
+    assert path == src / C.CURVE_FILE
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644 & ~umask
+
+
+def _lru(curve: C.HitCurve, **changes) -> C.HitCurve:
+    """``curve`` as the lru policy's, with ``changes`` (another model's, say)."""
+    return C.HitCurve(
+        **{**vars(curve), "hit_rates": {"lru": curve.hit_rates["transition"]}, **changes}
+    )
+
+
+@pytest.mark.parametrize(
+    "changes", [{"total_expert_bytes": 1}, {"top_k": 2}, {"num_experts": [8, 8]}]
+)
+def test_writing_drops_the_curves_of_another_model(recorded, tmp_path, changes):
+    src = tmp_path / "m"
+    src.mkdir()
+    C.write_curve(src, _lru(recorded, **changes))
+    C.write_curve(src, recorded)
+    assert set(C.find_curve(src).hit_rates) == {"transition"}
+
+
+def test_writing_keeps_the_same_models_curves_of_other_policies(recorded, tmp_path):
+    src = tmp_path / "m"
+    src.mkdir()
+    C.write_curve(src, _lru(recorded, timing=None))
+    without_timing = C.HitCurve(**{**vars(recorded), "timing": None})
+    C.write_curve(src, without_timing)
+    found = C.find_curve(src)
+    assert set(found.hit_rates) == {"lru", "transition"}
+    assert found.timing is None  # neither recorded one
+    C.write_curve(src, recorded)
+    assert C.find_curve(src).timing == recorded.timing
 
 
 # --------------------------------------------------------------------------- the option

@@ -27,7 +27,7 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,6 +119,15 @@ class HitCurve:
             list(self.num_experts) == [lay.num_experts for _, lay in sorted(layout.layers.items())]
             and self.total_expert_bytes == layout.total_expert_bytes
             and (top_k is None or top_k == self.top_k)
+        )
+
+    def same_model(self, other: HitCurve) -> bool:
+        """Whether ``other`` was recorded for the same model as this curve (experts per layer,
+        top-k, expert bytes): ``fits`` without a layout at hand."""
+        return (
+            list(self.num_experts) == list(other.num_experts)
+            and self.top_k == other.top_k
+            and self.total_expert_bytes == other.total_expert_bytes
         )
 
     def to_json(self) -> dict:
@@ -291,10 +300,40 @@ def find_curve(model_dir: Path) -> Optional[HitCurve]:
     return None
 
 
+def _replace_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` by way of a temporary file beside it and ``os.replace``: a
+    reader sees the old file or the new one, never half of one.
+
+    The temporary file is created with mode 0o644 and the umask applied, as ``open`` would
+    create ``path`` itself (``mkstemp``'s 0600 would survive the replace, and other users of a
+    shared model directory could not read the curve: their ``auto`` would fall back). Its bytes
+    are synced before the rename, so a crash cannot leave an empty file under the name.
+
+    Args:
+        path: the file to replace.
+        text: its new contents.
+
+    Raises:
+        OSError: the directory cannot be written (the temporary file is removed).
+    """
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
 def write_curve(model_dir: Path, curve: HitCurve) -> Path:
     """Record ``curve`` for the model in ``model_dir``: in the directory if it is writable,
     else in the user cache; atomically (never half a file), merged with the curves of other
-    policies already there for the same model.
+    policies already recorded for the same model (a curve recorded for another model, such as
+    an earlier conversion in the same directory, is dropped).
 
     Args:
         model_dir: the model directory.
@@ -311,7 +350,8 @@ def write_curve(model_dir: Path, curve: HitCurve) -> Path:
         old = find_curve(model_dir)
     except CurveError:
         old = None  # replaced whole
-    if old is not None and old.shares == curve.shares and old.num_experts == curve.num_experts:
+    # list(): a curve read back holds lists, one built in memory may hold SHARES, a tuple
+    if old is not None and list(old.shares) == list(curve.shares) and old.same_model(curve):
         rates = {**old.hit_rates, **rates}
         if curve.timing is None and old.timing is not None:
             curve = HitCurve(**{**vars(curve), "timing": old.timing})
@@ -320,24 +360,18 @@ def write_curve(model_dir: Path, curve: HitCurve) -> Path:
     for path in curve_paths(model_dir):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(text)
-                os.replace(tmp, path)
-            except BaseException:
-                os.unlink(tmp)
-                raise
-            # a stale copy in the other place would shadow or outlive this one
-            for other in curve_paths(model_dir):
-                if other != path and other.is_file():
-                    try:
-                        other.unlink()
-                    except OSError:
-                        pass
-            return path
+            _replace_atomically(path, text)
         except OSError as e:
             error = e
+            continue
+        # a stale copy in the other place would shadow or outlive this one
+        for other in curve_paths(model_dir):
+            if other != path and other.is_file():
+                try:
+                    other.unlink()
+                except OSError:
+                    pass
+        return path
     assert error is not None
     raise error
 
