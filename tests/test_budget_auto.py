@@ -193,6 +193,63 @@ def test_a_written_curve_has_the_mode_of_a_normal_file(recorded, tmp_path, umask
     assert stat.S_IMODE(path.stat().st_mode) == 0o644 & ~umask
 
 
+def _age(path, seconds: int) -> None:
+    t = path.stat().st_mtime - seconds
+    os.utime(path, (t, t))
+
+
+def test_the_newest_curve_wins_where_both_places_hold_one(recorded, tmp_path, caplog):
+    src = tmp_path / "m"
+    src.mkdir()
+    beside, cached = C.curve_paths(src)
+    C.write_curve(src, recorded)
+    old_text = beside.read_text()
+    newer = C.HitCurve(**{**vars(recorded), "tokens": recorded.tokens + 1})
+    cached.parent.mkdir(parents=True)
+    cached.write_text(json.dumps(newer.to_json()))
+    _age(beside, 60)
+    assert C.find_curve(src).tokens == newer.tokens and C.find_curve(src).path == cached
+    _age(cached, 120)  # now the model directory's is newer
+    assert C.find_curve(src).path == beside
+    beside.write_text(old_text[:20])  # a damaged newer file does not hide a good older one
+    with caplog.at_level(logging.WARNING, "moeflux_mlx"):
+        assert C.find_curve(src).path == cached
+    assert str(beside) in caplog.text
+    cached.unlink()
+    with pytest.raises(CurveError, match=str(beside)):
+        C.find_curve(src)
+
+
+def test_a_curve_recorded_where_the_model_directory_is_read_only_is_the_one_read(
+    recorded, tmp_path, monkeypatch
+):
+    """The old curve beside the model can be neither replaced nor removed: the new one goes to
+    the user cache, and loads read it, as doctor printed it."""
+    src = tmp_path / "m"
+    src.mkdir()
+    beside, cached = C.curve_paths(src)
+    C.write_curve(src, recorded)
+    _age(beside, 60)
+    real_replace, real_unlink = C._replace_atomically, os.unlink
+
+    def replace(path, text):
+        if path == beside:
+            raise PermissionError(13, "Permission denied", str(path))
+        real_replace(path, text)
+
+    def unlink(path, *a, **k):
+        if os.fspath(path) == str(beside):
+            raise PermissionError(13, "Permission denied", str(path))
+        real_unlink(path, *a, **k)
+
+    monkeypatch.setattr(C, "_replace_atomically", replace)
+    monkeypatch.setattr(os, "unlink", unlink)
+    newer = C.HitCurve(**{**vars(recorded), "tokens": recorded.tokens + 1})
+    assert C.write_curve(src, newer) == cached
+    assert beside.is_file()  # still there: it could not be removed
+    assert C.find_curve(src).tokens == newer.tokens
+
+
 def _lru(curve: C.HitCurve, **changes) -> C.HitCurve:
     """``curve`` as the lru policy's, with ``changes`` (another model's, say)."""
     return C.HitCurve(

@@ -285,18 +285,41 @@ def read_curve(path: Path) -> HitCurve:
 def find_curve(model_dir: Path) -> Optional[HitCurve]:
     """The model's recorded curve, or None where none is recorded.
 
+    Where both places hold one (the model directory was not writable when a newer curve was
+    recorded, so it went to the user cache and the older one could not be removed), the newer
+    file wins: loads then read the curve ``doctor`` last recorded and printed.
+
     Args:
         model_dir: the model directory.
 
     Returns:
-        The first of ``curve_paths`` that exists, read; None if none exists.
+        The most recently modified of ``curve_paths`` that reads as a curve; None if none
+        exists.
 
     Raises:
-        CurveError: the file found is not a curve (``read_curve``).
+        CurveError: files exist, but none is a curve (the newest one's error).
     """
-    for path in curve_paths(model_dir):
-        if path.is_file():
-            return read_curve(path)
+    found = []
+    for order, path in enumerate(curve_paths(model_dir)):
+        try:
+            found.append((path.stat().st_mtime_ns, -order, path))
+        except OSError:
+            continue  # not there (or not to be seen): no curve in this place
+    first_error: Optional[CurveError] = None
+    # newest first; at equal times the model directory's, as before there were two places
+    for _, _, path in sorted(found, reverse=True):
+        if not path.is_file():
+            continue
+        try:
+            curve = read_curve(path)
+        except CurveError as e:  # a damaged newer file must not hide an older good one
+            first_error = first_error or e
+            continue
+        if first_error is not None:
+            log.warning("%s; reading the older %s", first_error, path)
+        return curve
+    if first_error is not None:
+        raise first_error
     return None
 
 
@@ -364,7 +387,8 @@ def write_curve(model_dir: Path, curve: HitCurve) -> Path:
         except OSError as e:
             error = e
             continue
-        # a stale copy in the other place would shadow or outlive this one
+        # a stale copy in the other place would outlive this one; where it cannot be removed
+        # (a model directory not writable), find_curve still reads this newer one
         for other in curve_paths(model_dir):
             if other != path and other.is_file():
                 try:
