@@ -281,6 +281,17 @@ def test_writing_keeps_the_same_models_curves_of_other_policies(recorded, tmp_pa
     assert C.find_curve(src).timing == recorded.timing
 
 
+def test_doctor_shows_the_budget_a_load_chooses(recorded, model_dir, monkeypatch):
+    from moeflux_mlx.commands import doctor
+
+    layout = expert_layout(model_dir)
+    _small_ram(monkeypatch, layout.total_expert_bytes)
+    chosen = C.resolve_budget("auto", layout, model_dir, "transition")
+    assert str(recorded.path) in chosen.why and "warm reads at" in chosen.why
+    rows = dict(doctor.curve_rows(recorded, "transition", layout, recorded.top_k))
+    assert rows["cache budget auto"] == f"{common.fmt_bytes(chosen.bytes)}: {chosen.why}"
+
+
 # --------------------------------------------------------------------------- the option
 
 

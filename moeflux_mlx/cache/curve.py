@@ -14,11 +14,12 @@ cache (``$XDG_CACHE_HOME/moeflux-mlx/curves``). Each write replaces the whole fi
 (a temporary file, then ``os.replace``): a reader sees the old file or the new one, never half
 of one. Loads only read it.
 
-``"auto"`` (``resolve_budget``): at most what the default (None) gives. Where every expert fits
-in that, every expert. Else, on the curve, with ``t(b) = t_compute + (1 - h(b)) x expert bytes
-per token / bandwidth``, the smallest budget whose forecast rate is ``AUTO_RATE_SHARE`` of the
-rate at the most it may take. Without a usable curve file: the default, and one log line saying
-how to record one (calibrating at load would read every expert once: minutes on a large model).
+``"auto"`` (``auto_budget``, which loads reach through ``resolve_budget`` and ``doctor`` calls
+itself): at most what the default (None) gives. Where every expert fits in that, every expert.
+Else, on the curve, with ``t(b) = t_compute + (1 - h(b)) x expert bytes per token / bandwidth``,
+the smallest budget whose forecast rate is ``AUTO_RATE_SHARE`` of the rate at the most it may take.
+Without a usable curve file: the default, and one log line saying how to record one (calibrating at
+load would read every expert once: minutes on a large model).
 """
 
 from __future__ import annotations
@@ -417,15 +418,13 @@ class BudgetChoice:
 
     Attributes:
         bytes: the budget.
-        why: how it was chosen, for the load log and ``info`` (one line).
+        why: how it was chosen, for the load log, ``info`` and ``doctor`` (one line).
         auto: whether ``"auto"`` chose it.
-        forecast_tok_s: auto, from a curve: the forecast decode rate at ``bytes``.
     """
 
     bytes: int
     why: str
     auto: bool = False
-    forecast_tok_s: Optional[float] = None
 
 
 def pick(
@@ -442,7 +441,9 @@ def pick(
         timing: bandwidth and compute time.
 
     Returns:
-        The choice.
+        The choice; its ``why`` names the forecast and the reads it assumes (warm or cold: a
+        curve recorded with the experts in the page cache forecasts faster misses than a
+        machine whose page cache cannot hold them will see).
     """
     total = curve.total_expert_bytes
     top = min(1.0, ceiling / max(total, 1))
@@ -453,12 +454,53 @@ def pick(
             n = ceiling if share == top else int(share * total)
             why = (
                 f"auto: {share:.0%} of the experts, forecast {rate:.1f} tok/s "
-                f"(hit rate {curve.hit_rate(policy, share):.0%}), within "
-                f"{1 - AUTO_RATE_SHARE:.0%} of {best:.1f} tok/s at the default "
-                f"{top:.0%} (curve {curve.path})"
+                f"(hit rate {curve.hit_rate(policy, share):.0%}, {timing.basis} reads at "
+                f"{timing.bandwidth / 1e9:.2f} GB/s), within {1 - AUTO_RATE_SHARE:.0%} of "
+                f"{best:.1f} tok/s at the default {top:.0%} (curve {curve.path})"
             )
-            return BudgetChoice(n, why, True, rate)
+            return BudgetChoice(n, why, True)
     raise AssertionError("the ceiling itself qualifies")
+
+
+def auto_budget(layout: ModelLayout, policy: str, curve: Optional[HitCurve]) -> BudgetChoice:
+    """What ``"auto"`` chooses for a model with ``curve``: every expert where they fit in the
+    default budget, else ``pick`` on the curve, else (no usable curve) the default with a
+    warning. ``resolve_budget`` (loads, ``info``) and ``doctor`` both call it, so what doctor
+    prints is what a load chooses.
+
+    Args:
+        layout: the model's expert layout (of this process's share, when sharded).
+        policy: the eviction policy whose curve is read.
+        curve: the model's curve (None: none recorded).
+
+    Returns:
+        The bytes and why.
+    """
+    total = layout.total_expert_bytes
+    ceiling = parse_budget(None, total)
+    if ceiling >= total:
+        return BudgetChoice(
+            ceiling, f"auto: every expert (they fit in {DEFAULT_RAM_FRACTION:g} x RAM)", True
+        )
+    why: Optional[str] = None
+    if curve is None:
+        why = f"no hit-rate curve recorded: {HINT}"
+    elif not curve.fits(layout):
+        why = f"{curve.path} was recorded for another model (or another share of it): {HINT}"
+    elif policy not in curve.hit_rates:
+        why = f"{curve.path} has no curve for eviction {policy}: {HINT} --eviction {policy}"
+    elif curve.timing is None:
+        why = f"{curve.path} has no measured bandwidth and decode time: {HINT}"
+    else:
+        routed = sum(curve.top_k * lay.blob_size for lay in layout.layers.values())
+        return pick(curve, policy, ceiling, routed, curve.timing)
+    return _default(ceiling, why)
+
+
+def _default(ceiling: int, why: str) -> BudgetChoice:
+    """auto's fallback, the default budget, with one warning saying why."""
+    log.warning("cache budget auto: %s; using the default (%g x RAM)", why, DEFAULT_RAM_FRACTION)
+    return BudgetChoice(ceiling, f"auto: the default, {DEFAULT_RAM_FRACTION:g} x RAM ({why})", True)
 
 
 def resolve_budget(
@@ -486,31 +528,10 @@ def resolve_budget(
     if not is_auto(budget):
         n = parse_budget(budget, total)
         return BudgetChoice(n, "default" if budget is None else f"given: {budget}")
-    ceiling = parse_budget(None, total)
-    if ceiling >= total:
-        return BudgetChoice(
-            ceiling, f"auto: every expert (they fit in {DEFAULT_RAM_FRACTION:g} x RAM)", True
-        )
-    why: Optional[str] = None
+    if parse_budget(None, total) >= total:
+        return auto_budget(layout, policy, None)  # every expert: no curve to read
     try:
         curve = find_curve(model_dir) if model_dir is not None else None
     except CurveError as e:  # a bad file costs the pick, never the load
-        curve, why = None, str(e)
-    if curve is None:
-        why = why or f"no hit-rate curve recorded: {HINT}"
-    elif not curve.fits(layout):
-        why = f"{curve.path} was recorded for another model (or another share of it): {HINT}"
-    elif policy not in curve.hit_rates:
-        why = f"{curve.path} has no curve for eviction {policy}: {HINT} --eviction {policy}"
-    elif curve.timing is None:
-        why = f"{curve.path} has no measured bandwidth and decode time: {HINT}"
-    if why is not None:
-        log.warning(
-            "cache budget auto: %s; using the default (%g x RAM)", why, DEFAULT_RAM_FRACTION
-        )
-        return BudgetChoice(
-            ceiling, f"auto: the default, {DEFAULT_RAM_FRACTION:g} x RAM ({why})", True
-        )
-    assert curve is not None and curve.timing is not None
-    routed = sum(curve.top_k * lay.blob_size for lay in layout.layers.values())
-    return pick(curve, policy, ceiling, routed, curve.timing)
+        return _default(parse_budget(None, total), str(e))
+    return auto_budget(layout, policy, curve)
