@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 from types import SimpleNamespace
 
 import pytest
@@ -175,6 +177,119 @@ def test_write_falls_back_to_the_user_cache_and_leaves_no_temporary_file(recorde
     assert C.find_curve(src).hit_rates == recorded.hit_rates
     assert [p.name for p in path.parent.iterdir()] == [path.name]
     assert [p.name for p in src.iterdir()] == [C.CURVE_FILE]  # no temporary file left
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_a_written_curve_has_the_mode_of_a_normal_file(recorded, tmp_path, umask):
+    """Readable by the other users of a shared model directory unless the umask says not."""
+    src = tmp_path / "m"
+    src.mkdir()
+    old = os.umask(umask)
+    try:
+        path = C.write_curve(src, recorded)
+    finally:
+        os.umask(old)
+    assert path == src / C.CURVE_FILE
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644 & ~umask
+
+
+def _age(path, seconds: int) -> None:
+    t = path.stat().st_mtime - seconds
+    os.utime(path, (t, t))
+
+
+def test_the_newest_curve_wins_where_both_places_hold_one(recorded, tmp_path, caplog):
+    src = tmp_path / "m"
+    src.mkdir()
+    beside, cached = C.curve_paths(src)
+    C.write_curve(src, recorded)
+    old_text = beside.read_text()
+    newer = C.HitCurve(**{**vars(recorded), "tokens": recorded.tokens + 1})
+    cached.parent.mkdir(parents=True)
+    cached.write_text(json.dumps(newer.to_json()))
+    _age(beside, 60)
+    assert C.find_curve(src).tokens == newer.tokens and C.find_curve(src).path == cached
+    _age(cached, 120)  # now the model directory's is newer
+    assert C.find_curve(src).path == beside
+    beside.write_text(old_text[:20])  # a damaged newer file does not hide a good older one
+    with caplog.at_level(logging.WARNING, "moeflux_mlx"):
+        assert C.find_curve(src).path == cached
+    assert str(beside) in caplog.text
+    cached.unlink()
+    with pytest.raises(CurveError, match=str(beside)):
+        C.find_curve(src)
+
+
+def test_a_curve_recorded_where_the_model_directory_is_read_only_is_the_one_read(
+    recorded, tmp_path, monkeypatch
+):
+    """The old curve beside the model can be neither replaced nor removed: the new one goes to
+    the user cache, and loads read it, as doctor printed it."""
+    src = tmp_path / "m"
+    src.mkdir()
+    beside, cached = C.curve_paths(src)
+    C.write_curve(src, recorded)
+    _age(beside, 60)
+    real_replace, real_unlink = C._replace_atomically, os.unlink
+
+    def replace(path, text):
+        if path == beside:
+            raise PermissionError(13, "Permission denied", str(path))
+        real_replace(path, text)
+
+    def unlink(path, *a, **k):
+        if os.fspath(path) == str(beside):
+            raise PermissionError(13, "Permission denied", str(path))
+        real_unlink(path, *a, **k)
+
+    monkeypatch.setattr(C, "_replace_atomically", replace)
+    monkeypatch.setattr(os, "unlink", unlink)
+    newer = C.HitCurve(**{**vars(recorded), "tokens": recorded.tokens + 1})
+    assert C.write_curve(src, newer) == cached
+    assert beside.is_file()  # still there: it could not be removed
+    assert C.find_curve(src).tokens == newer.tokens
+
+
+def _lru(curve: C.HitCurve, **changes) -> C.HitCurve:
+    """``curve`` as the lru policy's, with ``changes`` (another model's, say)."""
+    return C.HitCurve(
+        **{**vars(curve), "hit_rates": {"lru": curve.hit_rates["transition"]}, **changes}
+    )
+
+
+@pytest.mark.parametrize(
+    "changes", [{"total_expert_bytes": 1}, {"top_k": 2}, {"num_experts": [8, 8]}]
+)
+def test_writing_drops_the_curves_of_another_model(recorded, tmp_path, changes):
+    src = tmp_path / "m"
+    src.mkdir()
+    C.write_curve(src, _lru(recorded, **changes))
+    C.write_curve(src, recorded)
+    assert set(C.find_curve(src).hit_rates) == {"transition"}
+
+
+def test_writing_keeps_the_same_models_curves_of_other_policies(recorded, tmp_path):
+    src = tmp_path / "m"
+    src.mkdir()
+    C.write_curve(src, _lru(recorded, timing=None))
+    without_timing = C.HitCurve(**{**vars(recorded), "timing": None})
+    C.write_curve(src, without_timing)
+    found = C.find_curve(src)
+    assert set(found.hit_rates) == {"lru", "transition"}
+    assert found.timing is None  # neither recorded one
+    C.write_curve(src, recorded)
+    assert C.find_curve(src).timing == recorded.timing
+
+
+def test_doctor_shows_the_budget_a_load_chooses(recorded, model_dir, monkeypatch):
+    from moeflux_mlx.commands import doctor
+
+    layout = expert_layout(model_dir)
+    _small_ram(monkeypatch, layout.total_expert_bytes)
+    chosen = C.resolve_budget("auto", layout, model_dir, "transition")
+    assert str(recorded.path) in chosen.why and "warm reads at" in chosen.why
+    rows = dict(doctor.curve_rows(recorded, "transition", layout, recorded.top_k))
+    assert rows["cache budget auto"] == f"{common.fmt_bytes(chosen.bytes)}: {chosen.why}"
 
 
 # --------------------------------------------------------------------------- the option

@@ -107,7 +107,7 @@ def test_doctor_records_and_shows_the_hit_rate_curve(model, capsys, monkeypatch,
     assert at == [f"at {p}%" for p in range(0, 101, 10)]
     assert re.fullmatch(r"hit rate 0%, forecast [\d.]+ tok/s", rows["  at 0%"])
     assert re.fullmatch(r"hit rate 100%, forecast [\d.]+ tok/s", rows["  at 100%"])
-    assert re.match(r"\S+ \S+ \(100% of the experts, every expert", rows["cache budget auto"])
+    assert re.match(r"\S+ \S+: auto: every expert", rows["cache budget auto"])
     plot = rows["curve plot"]
     assert plot == "install matplotlib for a plot" or os.path.isfile(plot)
 

@@ -14,11 +14,12 @@ cache (``$XDG_CACHE_HOME/moeflux-mlx/curves``). Each write replaces the whole fi
 (a temporary file, then ``os.replace``): a reader sees the old file or the new one, never half
 of one. Loads only read it.
 
-``"auto"`` (``resolve_budget``): at most what the default (None) gives. Where every expert fits
-in that, every expert. Else, on the curve, with ``t(b) = t_compute + (1 - h(b)) x expert bytes
-per token / bandwidth``, the smallest budget whose forecast rate is ``AUTO_RATE_SHARE`` of the
-rate at the most it may take. Without a usable curve file: the default, and one log line saying
-how to record one (calibrating at load would read every expert once: minutes on a large model).
+``"auto"`` (``auto_budget``, which loads reach through ``resolve_budget`` and ``doctor`` calls
+itself): at most what the default (None) gives. Where every expert fits in that, every expert.
+Else, on the curve, with ``t(b) = t_compute + (1 - h(b)) x expert bytes per token / bandwidth``,
+the smallest budget whose forecast rate is ``AUTO_RATE_SHARE`` of the rate at the most it may take.
+Without a usable curve file: the default, and one log line saying how to record one (calibrating at
+load would read every expert once: minutes on a large model).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,6 +120,15 @@ class HitCurve:
             list(self.num_experts) == [lay.num_experts for _, lay in sorted(layout.layers.items())]
             and self.total_expert_bytes == layout.total_expert_bytes
             and (top_k is None or top_k == self.top_k)
+        )
+
+    def same_model(self, other: HitCurve) -> bool:
+        """Whether ``other`` was recorded for the same model as this curve (experts per layer,
+        top-k, expert bytes): ``fits`` without a layout at hand."""
+        return (
+            list(self.num_experts) == list(other.num_experts)
+            and self.top_k == other.top_k
+            and self.total_expert_bytes == other.total_expert_bytes
         )
 
     def to_json(self) -> dict:
@@ -276,25 +286,78 @@ def read_curve(path: Path) -> HitCurve:
 def find_curve(model_dir: Path) -> Optional[HitCurve]:
     """The model's recorded curve, or None where none is recorded.
 
+    Where both places hold one (the model directory was not writable when a newer curve was
+    recorded, so it went to the user cache and the older one could not be removed), the newer
+    file wins: loads then read the curve ``doctor`` last recorded and printed.
+
     Args:
         model_dir: the model directory.
 
     Returns:
-        The first of ``curve_paths`` that exists, read; None if none exists.
+        The most recently modified of ``curve_paths`` that reads as a curve; None if none
+        exists.
 
     Raises:
-        CurveError: the file found is not a curve (``read_curve``).
+        CurveError: files exist, but none is a curve (the newest one's error).
     """
-    for path in curve_paths(model_dir):
-        if path.is_file():
-            return read_curve(path)
+    found = []
+    for order, path in enumerate(curve_paths(model_dir)):
+        try:
+            found.append((path.stat().st_mtime_ns, -order, path))
+        except OSError:
+            continue  # not there (or not to be seen): no curve in this place
+    first_error: Optional[CurveError] = None
+    # newest first; at equal times the model directory's, as before there were two places
+    for _, _, path in sorted(found, reverse=True):
+        if not path.is_file():
+            continue
+        try:
+            curve = read_curve(path)
+        except CurveError as e:  # a damaged newer file must not hide an older good one
+            first_error = first_error or e
+            continue
+        if first_error is not None:
+            log.warning("%s; reading the older %s", first_error, path)
+        return curve
+    if first_error is not None:
+        raise first_error
     return None
+
+
+def _replace_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` by way of a temporary file beside it and ``os.replace``: a
+    reader sees the old file or the new one, never half of one.
+
+    The temporary file is created with mode 0o644 and the umask applied, as ``open`` would
+    create ``path`` itself (``mkstemp``'s 0600 would survive the replace, and other users of a
+    shared model directory could not read the curve: their ``auto`` would fall back). Its bytes
+    are synced before the rename, so a crash cannot leave an empty file under the name.
+
+    Args:
+        path: the file to replace.
+        text: its new contents.
+
+    Raises:
+        OSError: the directory cannot be written (the temporary file is removed).
+    """
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def write_curve(model_dir: Path, curve: HitCurve) -> Path:
     """Record ``curve`` for the model in ``model_dir``: in the directory if it is writable,
     else in the user cache; atomically (never half a file), merged with the curves of other
-    policies already there for the same model.
+    policies already recorded for the same model (a curve recorded for another model, such as
+    an earlier conversion in the same directory, is dropped).
 
     Args:
         model_dir: the model directory.
@@ -311,7 +374,8 @@ def write_curve(model_dir: Path, curve: HitCurve) -> Path:
         old = find_curve(model_dir)
     except CurveError:
         old = None  # replaced whole
-    if old is not None and old.shares == curve.shares and old.num_experts == curve.num_experts:
+    # list(): a curve read back holds lists, one built in memory may hold SHARES, a tuple
+    if old is not None and list(old.shares) == list(curve.shares) and old.same_model(curve):
         rates = {**old.hit_rates, **rates}
         if curve.timing is None and old.timing is not None:
             curve = HitCurve(**{**vars(curve), "timing": old.timing})
@@ -320,24 +384,19 @@ def write_curve(model_dir: Path, curve: HitCurve) -> Path:
     for path in curve_paths(model_dir):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(text)
-                os.replace(tmp, path)
-            except BaseException:
-                os.unlink(tmp)
-                raise
-            # a stale copy in the other place would shadow or outlive this one
-            for other in curve_paths(model_dir):
-                if other != path and other.is_file():
-                    try:
-                        other.unlink()
-                    except OSError:
-                        pass
-            return path
+            _replace_atomically(path, text)
         except OSError as e:
             error = e
+            continue
+        # a stale copy in the other place would outlive this one; where it cannot be removed
+        # (a model directory not writable), find_curve still reads this newer one
+        for other in curve_paths(model_dir):
+            if other != path and other.is_file():
+                try:
+                    other.unlink()
+                except OSError:
+                    pass
+        return path
     assert error is not None
     raise error
 
@@ -359,15 +418,13 @@ class BudgetChoice:
 
     Attributes:
         bytes: the budget.
-        why: how it was chosen, for the load log and ``info`` (one line).
+        why: how it was chosen, for the load log, ``info`` and ``doctor`` (one line).
         auto: whether ``"auto"`` chose it.
-        forecast_tok_s: auto, from a curve: the forecast decode rate at ``bytes``.
     """
 
     bytes: int
     why: str
     auto: bool = False
-    forecast_tok_s: Optional[float] = None
 
 
 def pick(
@@ -384,7 +441,9 @@ def pick(
         timing: bandwidth and compute time.
 
     Returns:
-        The choice.
+        The choice; its ``why`` names the forecast and the reads it assumes (warm or cold: a
+        curve recorded with the experts in the page cache forecasts faster misses than a
+        machine whose page cache cannot hold them will see).
     """
     total = curve.total_expert_bytes
     top = min(1.0, ceiling / max(total, 1))
@@ -395,12 +454,53 @@ def pick(
             n = ceiling if share == top else int(share * total)
             why = (
                 f"auto: {share:.0%} of the experts, forecast {rate:.1f} tok/s "
-                f"(hit rate {curve.hit_rate(policy, share):.0%}), within "
-                f"{1 - AUTO_RATE_SHARE:.0%} of {best:.1f} tok/s at the default "
-                f"{top:.0%} (curve {curve.path})"
+                f"(hit rate {curve.hit_rate(policy, share):.0%}, {timing.basis} reads at "
+                f"{timing.bandwidth / 1e9:.2f} GB/s), within {1 - AUTO_RATE_SHARE:.0%} of "
+                f"{best:.1f} tok/s at the default {top:.0%} (curve {curve.path})"
             )
-            return BudgetChoice(n, why, True, rate)
+            return BudgetChoice(n, why, True)
     raise AssertionError("the ceiling itself qualifies")
+
+
+def auto_budget(layout: ModelLayout, policy: str, curve: Optional[HitCurve]) -> BudgetChoice:
+    """What ``"auto"`` chooses for a model with ``curve``: every expert where they fit in the
+    default budget, else ``pick`` on the curve, else (no usable curve) the default with a
+    warning. ``resolve_budget`` (loads, ``info``) and ``doctor`` both call it, so what doctor
+    prints is what a load chooses.
+
+    Args:
+        layout: the model's expert layout (of this process's share, when sharded).
+        policy: the eviction policy whose curve is read.
+        curve: the model's curve (None: none recorded).
+
+    Returns:
+        The bytes and why.
+    """
+    total = layout.total_expert_bytes
+    ceiling = parse_budget(None, total)
+    if ceiling >= total:
+        return BudgetChoice(
+            ceiling, f"auto: every expert (they fit in {DEFAULT_RAM_FRACTION:g} x RAM)", True
+        )
+    why: Optional[str] = None
+    if curve is None:
+        why = f"no hit-rate curve recorded: {HINT}"
+    elif not curve.fits(layout):
+        why = f"{curve.path} was recorded for another model (or another share of it): {HINT}"
+    elif policy not in curve.hit_rates:
+        why = f"{curve.path} has no curve for eviction {policy}: {HINT} --eviction {policy}"
+    elif curve.timing is None:
+        why = f"{curve.path} has no measured bandwidth and decode time: {HINT}"
+    else:
+        routed = sum(curve.top_k * lay.blob_size for lay in layout.layers.values())
+        return pick(curve, policy, ceiling, routed, curve.timing)
+    return _default(ceiling, why)
+
+
+def _default(ceiling: int, why: str) -> BudgetChoice:
+    """auto's fallback, the default budget, with one warning saying why."""
+    log.warning("cache budget auto: %s; using the default (%g x RAM)", why, DEFAULT_RAM_FRACTION)
+    return BudgetChoice(ceiling, f"auto: the default, {DEFAULT_RAM_FRACTION:g} x RAM ({why})", True)
 
 
 def resolve_budget(
@@ -428,31 +528,10 @@ def resolve_budget(
     if not is_auto(budget):
         n = parse_budget(budget, total)
         return BudgetChoice(n, "default" if budget is None else f"given: {budget}")
-    ceiling = parse_budget(None, total)
-    if ceiling >= total:
-        return BudgetChoice(
-            ceiling, f"auto: every expert (they fit in {DEFAULT_RAM_FRACTION:g} x RAM)", True
-        )
-    why: Optional[str] = None
+    if parse_budget(None, total) >= total:
+        return auto_budget(layout, policy, None)  # every expert: no curve to read
     try:
         curve = find_curve(model_dir) if model_dir is not None else None
     except CurveError as e:  # a bad file costs the pick, never the load
-        curve, why = None, str(e)
-    if curve is None:
-        why = why or f"no hit-rate curve recorded: {HINT}"
-    elif not curve.fits(layout):
-        why = f"{curve.path} was recorded for another model (or another share of it): {HINT}"
-    elif policy not in curve.hit_rates:
-        why = f"{curve.path} has no curve for eviction {policy}: {HINT} --eviction {policy}"
-    elif curve.timing is None:
-        why = f"{curve.path} has no measured bandwidth and decode time: {HINT}"
-    if why is not None:
-        log.warning(
-            "cache budget auto: %s; using the default (%g x RAM)", why, DEFAULT_RAM_FRACTION
-        )
-        return BudgetChoice(
-            ceiling, f"auto: the default, {DEFAULT_RAM_FRACTION:g} x RAM ({why})", True
-        )
-    assert curve is not None and curve.timing is not None
-    routed = sum(curve.top_k * lay.blob_size for lay in layout.layers.values())
-    return pick(curve, policy, ceiling, routed, curve.timing)
+        return _default(parse_budget(None, total), str(e))
+    return auto_budget(layout, policy, curve)

@@ -40,7 +40,7 @@ import psutil
 
 from .. import __version__
 from ..cache import wired
-from ..cache.curve import AUTO_RATE_SHARE, BudgetChoice, HitCurve, Timing, pick, tok_s
+from ..cache.curve import HitCurve, Timing, auto_budget, tok_s
 from ..cache.slots import slots_per_layer
 from ..compute import kernels as K
 from ..compute import selfcheck
@@ -270,10 +270,20 @@ def plot_curve(curve: HitCurve, policy: str, out: Path) -> Optional[Path]:
 
 
 def curve_rows(
-    curve: HitCurve, policy: str, layout: ModelLayout, top_k: int, ceiling: int
+    curve: HitCurve, policy: str, layout: ModelLayout, top_k: int
 ) -> List[Tuple[str, str]]:
     """The curve as rows (budget share -> hit rate -> forecast tok/s, every 10%) and what auto
-    chooses under ``ceiling`` (the default budget)."""
+    chooses from it (``cache.curve.auto_budget``, as a load does).
+
+    Args:
+        curve: the model's curve, with a timing.
+        policy: the eviction policy whose curve is shown.
+        layout: the model's expert layout.
+        top_k: experts a token routes.
+
+    Returns:
+        ``(label, value)`` rows.
+    """
     assert curve.timing is not None
     t = curve.timing
     routed = sum(top_k * lay.blob_size for lay in layout.layers.values())
@@ -286,25 +296,8 @@ def curve_rows(
                 f"{tok_s(curve, policy, share, routed, t):.1f} tok/s",
             )
         )
-    total = layout.total_expert_bytes
-    if ceiling >= total:
-        auto = BudgetChoice(total, "every expert: they fit in the default budget", True)
-    else:
-        auto = pick(curve, policy, ceiling, routed, t)
-        auto = BudgetChoice(
-            auto.bytes,
-            f"the smallest forecast within {1 - AUTO_RATE_SHARE:.0%} of the default's "
-            f"{tok_s(curve, policy, ceiling / total, routed, t):.1f} tok/s",
-            True,
-        )
-    fc = forecast(layout, top_k, auto.bytes, t.bandwidth, t.compute_s_per_token, curve, policy)
-    rows.append(
-        (
-            "cache budget auto",
-            f"{fmt_bytes(auto.bytes)} ({100 * auto.bytes / max(total, 1):.0f}% of the experts, "
-            f"{auto.why}): forecast {fc.tok_s:.1f} tok/s",
-        )
-    )
+    auto = auto_budget(layout, policy, curve)
+    rows.append(("cache budget auto", f"{fmt_bytes(auto.bytes)}: {auto.why}"))
     png = plot_curve(curve, policy, curve.path.with_suffix(".png")) if curve.path else None
     rows.append(("curve plot", str(png) if png else "install matplotlib for a plot"))
     return rows
@@ -530,7 +523,7 @@ def _model_rows(path: Path, given: dict, bench: bool) -> List[Tuple[str, str]]:
                 f"{curve.tokens} tokens routed and replayed ({time.perf_counter() - t0:.1f} s)",
             )
         )
-        rows += curve_rows(curve, policy, layout, k, parse_budget(None, total))
+        rows += curve_rows(curve, policy, layout, k)
     fractions = sorted({*FORECAST_FRACTIONS, min(1.0, budget / max(total, 1))})
     for f in fractions:
         fc = forecast(layout, k, int(f * total), bw, compute, curve, policy)

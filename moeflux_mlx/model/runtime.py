@@ -155,7 +155,7 @@ def make_cache(
     store: ExpertStore,
     layout: ModelLayout,
     options: LoadOptions,
-    budget: Optional[BudgetChoice] = None,
+    budget: BudgetChoice,
 ) -> ExpertCache:
     """The cache for ``options``: slots under the budget (none at budget 0, or one too small
     for one expert per layer), the whole-layer prefill path, and, on CUDA, the device-side table
@@ -165,8 +165,8 @@ def make_cache(
         store: the model's expert store.
         layout: its expert layout.
         options: the load options (budget, eviction, pinning, tuning).
-        budget: the budget resolved (``cache.curve.resolve_budget``); None: resolved here from
-            ``options`` without a model directory (``"auto"`` is then the default).
+        budget: the budget resolved (``cache.curve.resolve_budget``: ``"auto"`` needs the
+            model directory, which the runtime knows and this factory does not).
 
     Returns:
         The model's ``ExpertCache``.
@@ -176,8 +176,6 @@ def make_cache(
         DeviceWaitError: the device-side table's miss server did not start.
         DeviceSetupError: ``pin_experts`` could not page-lock the expert files.
     """
-    if budget is None:
-        budget = resolve_budget(options.cache_budget, layout, None, options.eviction)
     budget_bytes = budget.bytes
     # on Metal: pools + staging within the recommended working set, else macOS may page them out
     budget_bytes, note = wired.fit_budget(
