@@ -104,12 +104,14 @@ def test_compare_says_each_prompt_as_it_starts(ckpts, capsys):
 def test_compare_float32_rule_applies():
     """Off the CPU: moeflux's mean KL from float32 against stock's, tokens or not identical."""
     stock = np.array([0.01, 0.03, 0.0])
-    rows = [compare.Row("p", 1, 3, 1, 2.5, 1.0, 1.0, "", stock, stock * 1.4)]
+    below, above = compare.FLOAT32_FACTOR - 0.1, compare.FLOAT32_FACTOR + 0.1
+    rows = [compare.Row("p", 1, 3, 1, 2.5, 1.0, 1.0, "", stock, stock * below)]
     report = compare.Report(Path("m"), Path("m"), rows, True, False, "gpu")
     assert report.passed  # tokens parted at a near tie, yet as close to float32 as stock
     text = compare.format_report(report)
-    assert "Result: SAME (required: moeflux's mean KL to f32 <= 1.5 x mlx-lm's" in text, text
-    rows[0].moeflux_kl = stock * 1.6
+    rule = f"Result: SAME (required: moeflux's mean KL to f32 <= {compare.FLOAT32_FACTOR:g} x"
+    assert rule in text, text
+    rows[0].moeflux_kl = stock * above
     assert not report.passed
     assert "Result: DIFFERENT" in compare.format_report(report)
     rows[0].moeflux_kl = np.array([0.0, 0.0, np.inf])  # a NaN at one position

@@ -9,7 +9,7 @@ breaks whichever backend runs; stock mlx-lm and the float32 reference are untouc
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Collection, Iterator, Optional
 
 import mlx.core as mx
 
@@ -18,19 +18,25 @@ from moeflux_mlx.model.switch import StreamingSwitchGLU
 # kind -> what it does, for the scripts that list them
 VARIANTS = {
     "scale": "every expert's output multiplied by a factor (a wrong scale)",
-    "wrong-expert": "each token's first routed expert computed as its second (a wrong expert)",
+    "wrong-expert": "each token's first routed expert computed as its second (a wrong expert; "
+    "every layer, or those given)",
     "rounding": "experts computed in float32, then rounded to the activations' dtype "
     "(no error: another rounding; plain ops only)",
 }
 
 
 @contextmanager
-def expert_variant(kind: str, factor: float = 1.25) -> Iterator[None]:
+def expert_variant(
+    kind: str, factor: float = 1.25, layers: Optional[Collection[int]] = None
+) -> Iterator[None]:
     """Streamed models loaded and run inside compute their experts as ``kind`` says.
 
     Args:
         kind: a key of ``VARIANTS``.
         factor: the scale of ``"scale"``.
+        layers: the layer indices whose experts change (default: every layer); the others
+            compute as usual. One layer of many is the smallest error of its kind, the one
+            a rule's margin has to catch.
 
     Raises:
         ValueError: an unknown ``kind``.
@@ -38,8 +44,11 @@ def expert_variant(kind: str, factor: float = 1.25) -> Iterator[None]:
     if kind not in VARIANTS:
         raise ValueError(f"unknown variant {kind!r}; one of {', '.join(VARIANTS)}")
     original = StreamingSwitchGLU._compute
+    changed = None if layers is None else frozenset(layers)
 
     def compute(self, x: mx.array, slots: mx.array, pool) -> mx.array:
+        if changed is not None and self.layer not in changed:
+            return original(self, x, slots, pool)
         if kind == "scale":
             return original(self, x, slots, pool) * factor
         if kind == "wrong-expert":  # slots: (..., top_k) cache slots in routing order
