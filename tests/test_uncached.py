@@ -135,9 +135,14 @@ def test_store_reads_equal_pread(tiny_checkpoints):
                 assert np.array_equal(out, want)
 
 
-def test_direct_is_never_chosen_by_the_ram_gate(monkeypatch):
+def test_direct_is_chosen_only_for_experts_far_beyond_ram(monkeypatch):
+    """The RAM gate reads uncached only where the page cache could hold few of the experts
+    (``DIRECT_RAM_RATIO`` x RAM, Linux); asked for, ``direct`` is used at any size."""
     monkeypatch.delenv("MOEFLUX_EXPERT_IO", raising=False)
-    assert st.select_expert_io(1 << 62) == "pread"
+    monkeypatch.setattr(st.sys, "platform", "linux")
+    ram = st.psutil.virtual_memory().total
+    assert st.select_expert_io(1 << 62) == "direct"
+    assert st.select_expert_io(int(st.DIRECT_RAM_RATIO * ram)) == "pread"
     monkeypatch.setenv("MOEFLUX_EXPERT_IO", "direct")
     assert st.select_expert_io(10) == "direct"
 
