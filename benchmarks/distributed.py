@@ -40,10 +40,11 @@ import numpy as np  # noqa: E402
 from benchmarks.lib.cli import add_model_args, benchmark_model  # noqa: E402
 from benchmarks.lib.distributed import gpu_count, launch_job  # noqa: E402
 from benchmarks.lib.trace_routing import REPLAYED_ROUTING  # noqa: E402
-from moeflux_mlx.commands.common import UsageError, main_for, user_cache_dir  # noqa: E402
+from moeflux_mlx.commands.common import UsageError, main_for  # noqa: E402
 from moeflux_mlx.format.checkpoint import expert_layout  # noqa: E402
 from moeflux_mlx.io.bandwidth import read_bandwidth  # noqa: E402
 from moeflux_mlx.measure import free_stem, machine_name, machine_tag  # noqa: E402
+from moeflux_mlx.options import user_cache_dir  # noqa: E402
 
 JOBS = ("single", "pipeline", "tensor")
 

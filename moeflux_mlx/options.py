@@ -35,6 +35,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
 
 import psutil
@@ -58,6 +59,14 @@ def _switch(text: str) -> bool:
     if word in _TRUE or word in _FALSE:
         return word in _TRUE
     raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE)}")
+
+
+def user_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/moeflux-mlx`` (default ``~/.cache/moeflux-mlx``): what the package
+    keeps between runs (kernel self-checks, hit-rate curves it cannot write beside a model) and
+    the benchmarks' built models."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "moeflux-mlx"
 
 
 def _auto_switch(text: str) -> Optional[bool]:
@@ -177,9 +186,10 @@ class LoadOptions:
             or ``"auto"`` (the smallest budget, at most the default, whose forecast decode rate
             is near the default's, from the hit-rate curve ``moeflux-mlx doctor`` records;
             ``cache.curve``); None: every expert when they fit in 40% of RAM, else 40% of RAM.
-        expert_io: ``auto`` (the RAM gate: ``pread`` when the experts exceed 0.75 x RAM, else
-            ``mmap``), ``mmap``, ``pread``, or ``direct`` (``pread`` bypassing the page cache:
-            faster cold reads, no reuse of what the cache held; never chosen by the gate).
+        expert_io: ``auto`` (the RAM gate, ``io.store.choose_expert_io``: ``direct`` above 8 x
+            RAM on Linux, ``pread`` above 0.75 x RAM, else ``mmap``), ``mmap``, ``pread``, or
+            ``direct`` (``pread`` bypassing the page cache: faster cold reads, no reuse of what
+            the cache held).
         backend: ``auto`` (Metal kernels on Metal, CUDA kernels on CUDA, MLX ops on the CPU),
             ``ops``, ``metal`` or ``cuda``.
         eviction: which resident expert a miss replaces (``cache.policy``): ``transition``

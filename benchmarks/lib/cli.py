@@ -24,12 +24,11 @@ from moeflux_mlx.commands.common import (
     positive_int,
     resolve_model,
     say,
-    user_cache_dir,
 )
 from moeflux_mlx.format.checkpoint import is_packed
 from moeflux_mlx.format.convert import convert
 from moeflux_mlx.measure import machine_tag, plot_unavailable
-from moeflux_mlx.options import BACKENDS
+from moeflux_mlx.options import BACKENDS, user_cache_dir
 from tests.support import synth
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"

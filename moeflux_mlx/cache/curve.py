@@ -38,7 +38,7 @@ import numpy as np
 
 from ..errors import CurveError
 from ..format.layout import ModelLayout
-from ..options import DEFAULT_RAM_FRACTION, Budget, is_auto, parse_budget
+from ..options import DEFAULT_RAM_FRACTION, Budget, is_auto, parse_budget, user_cache_dir
 from .policy import EvictionPolicy
 from .slots import slots_per_layer
 
@@ -224,17 +224,12 @@ def simulate(
 # --------------------------------------------------------------------------- files
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "moeflux-mlx" / "curves"
-
-
 def curve_paths(model_dir: Path) -> List[Path]:
     """Where a model's curve may be, in the order read: its directory, then the user cache
     (a file named by the directory's resolved path)."""
     model_dir = Path(model_dir).expanduser().resolve()
     digest = hashlib.sha1(str(model_dir).encode()).hexdigest()[:16]
-    return [model_dir / CURVE_FILE, _cache_dir() / f"{model_dir.name}-{digest}.json"]
+    return [model_dir / CURVE_FILE, user_cache_dir() / "curves" / f"{model_dir.name}-{digest}.json"]
 
 
 def read_curve(path: Path) -> HitCurve:

@@ -529,13 +529,6 @@ def fmt_bytes(n: float, unit: Optional[str] = None) -> str:
     raise AssertionError
 
 
-def user_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/moeflux-mlx`` (default ``~/.cache/moeflux-mlx``): where built models
-    are kept (the benchmark's models)."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "moeflux-mlx"
-
-
 def resolve_model(model: Optional[str]) -> Path:
     """The directory for ``--model``: the built-in demo model for None, else a directory or a
     repo id as ``moeflux_mlx.load`` resolves it (``model.source``)."""

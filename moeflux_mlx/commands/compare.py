@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import math
-import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +37,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..errors import CheckpointError
 from ..format.checkpoint import is_packed, packed_layout, scan_checkpoint
+from ..format.safetensors import index_directory
 from ..io.store import open_store
 from ..model.load import load
 from ..options import LoadOptions
@@ -297,16 +296,10 @@ def checkpoint_bytes(path: Path) -> int:
 def reference_bytes(path: Path) -> int:
     """What the float32 reference holds: the checkpoint's bytes, its 16-bit floating tensors
     (scales, biases, norms, unquantized weights) twice over; quantized weights stay packed."""
-    total = 0
-    for f in Path(path).glob("*.safetensors"):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for name, t in header.items():
-            if name != "__metadata__":
-                size = t["data_offsets"][1] - t["data_offsets"][0]
-                total += size * (2 if t["dtype"] in ("BF16", "F16") else 1)
-    return total
+    return sum(
+        t.nbytes * (2 if t.dtype in ("BF16", "F16") else 1)
+        for t in index_directory(Path(path)).values()
+    )
 
 
 def load_reference(path: Path):

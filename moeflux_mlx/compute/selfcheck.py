@@ -34,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache.pool import ExpertPool
+from ..options import user_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +99,7 @@ class Verdict:
 def cache_root() -> Path:
     if CACHE_DIR is not None:
         return Path(CACHE_DIR)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "moeflux-mlx" / "selfcheck"
+    return user_cache_dir() / "selfcheck"
 
 
 def device_description() -> str:
