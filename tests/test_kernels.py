@@ -17,6 +17,8 @@ import json
 import math
 import os
 import re
+import shutil
+import subprocess
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -587,6 +589,42 @@ def test_kernel_text_assembly(kind, variant):
             assert f"{name}_strides" in shared  # pools are read through their strides
         # the row loop appears twice: 16-byte loads, and word-by-word loads for strided/unaligned pools
         assert shared.count("MF_LD(") == 2 * K.load_source(f"{kind}_rows.h").count("MF_LD(") + 2
+
+
+def test_compact_drops_comments_and_blank_lines_only():
+    text = (
+        '  a = "x // y /* z */";  // gone\n'
+        "\n"
+        "  /* two\n  lines */ #define MF_A 1 \\\n"
+        "      + 2\n"
+        "b /* inline */ c\n"
+    )
+    assert kernel_source.compact(text) == 'a = "x // y /* z */";\n#define MF_A 1 \\\n+ 2\nb   c\n'
+
+
+_CPP = shutil.which("cpp")
+
+
+@pytest.mark.skipif(_CPP is None, reason="no C preprocessor to tell tokens from comments")
+@pytest.mark.parametrize("name", kernel_source.SOURCE_FILES)
+def test_compacted_kernel_sources_keep_every_token(name):
+    """What MLX is handed (``compact``) has every token of the source, in order: compared after
+    the C preprocessor's own comment removal (``-fpreprocessed``: no macro is expanded)."""
+
+    def tokens(text):
+        out = subprocess.run(
+            [_CPP, "-x", "c++", "-fpreprocessed", "-dD", "-E", "-P", "-"],
+            input=text,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        return re.findall(r'"(?:\\.|[^"\\\n])*"|\w+|\S', out)
+
+    text = K.load_source(name)
+    short = kernel_source.compact(text)
+    assert tokens(short) == tokens(text)
+    assert len(short) < len(text)
 
 
 def test_kernel_names(monkeypatch):

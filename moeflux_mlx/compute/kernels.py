@@ -33,7 +33,15 @@ from mlx_lm.models.switch_layers import SwiGLU
 from ..cache.pool import MX_DTYPES, ExpertPool, InPlaceExperts
 from ..format.layout import ExpertLayout, Quantization
 from . import selfcheck
-from .kernel_source import COMMON, ENTRY, PRELUDE, Kernel, as_kernel, load_source, text_digest
+from .kernel_source import (
+    COMMON,
+    ENTRY,
+    PRELUDE,
+    Kernel,
+    custom_kernel,
+    load_source,
+    text_digest,
+)
 from .ops import is_plain_swiglu
 
 log = logging.getLogger(__name__)
@@ -153,15 +161,14 @@ def _kernel(
         # pool), x and slots as the router hands them over (no node). combine wants row-contiguous.
         contiguous = kind == "combine"
         make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
-        k = as_kernel(
-            make(
-                name=name,
-                input_names=list(inputs),
-                output_names=list(_OUTPUTS[kind]),
-                source=body,
-                header=header,
-                ensure_row_contiguous=contiguous,
-            )
+        k = custom_kernel(
+            make,
+            name=name,
+            input_names=list(inputs),
+            output_names=list(_OUTPUTS[kind]),
+            source=body,
+            header=header,
+            ensure_row_contiguous=contiguous,
         )
         _KERNELS[key] = k
     return k

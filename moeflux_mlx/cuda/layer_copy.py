@@ -26,7 +26,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from ..compute.kernel_source import load_source, text_digest
+from ..compute.kernel_source import custom_kernel, load_source, text_digest
 from ..errors import DeviceCopyError, DeviceSetupError
 from ..format.layout import ExpertLayout
 from . import runtime
@@ -151,7 +151,8 @@ def _address_kernel():
     """A new uint8 array and its device address, nothing written into it
     (``address_cuda.cuh``)."""
     body = load_source("address_cuda.cuh")
-    return mx.fast.cuda_kernel(
+    return custom_kernel(
+        mx.fast.cuda_kernel,
         name=f"moeflux_address_{text_digest('', body)}",
         input_names=["tick"],
         output_names=["out", "addr"],

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Dict, Optional
 import mlx.core as mx
 import numpy as np
 
-from ..compute.kernel_source import Kernel, as_kernel, load_source, text_digest
+from ..compute.kernel_source import Kernel, custom_kernel, load_source, text_digest
 from ..format.layout import ExpertLayout
 from .control_block import (
     FAULT_INDEX,
@@ -133,28 +133,26 @@ def _named(kind: str, header: str, body: str) -> str:
 @functools.cache
 def _hint_kernel(wait_s: float) -> Kernel:
     header, body = _header(wait_s), load_source("hint_cuda.cuh")
-    return as_kernel(
-        mx.fast.cuda_kernel(
-            name=_named("hint", header, body),
-            input_names=["inds", "pred", "meta"],
-            output_names=["out"],
-            source=body,
-            header=header,
-        )
+    return custom_kernel(
+        mx.fast.cuda_kernel,
+        name=_named("hint", header, body),
+        input_names=["inds", "pred", "meta"],
+        output_names=["out"],
+        source=body,
+        header=header,
     )
 
 
 @functools.cache
 def _resolve_kernel(wait_s: float) -> Kernel:
     header, body = _header(wait_s), load_source("resolve_cuda.cuh")
-    return as_kernel(
-        mx.fast.cuda_kernel(
-            name=_named("resolve", header, body),
-            input_names=["inds", "meta", "after"],
-            output_names=["slots"],
-            source=body,
-            header=header,
-        )
+    return custom_kernel(
+        mx.fast.cuda_kernel,
+        name=_named("resolve", header, body),
+        input_names=["inds", "meta", "after"],
+        output_names=["slots"],
+        source=body,
+        header=header,
     )
 
 
@@ -227,14 +225,13 @@ def _copy_kernel(
         )
     header = _header(wait_s) + _defines(BLOB=f"{blob_size}ll")
     body = load_source(f"{kind}_cuda.cuh").replace("MF_COPY_COMPONENTS", copies)
-    return as_kernel(
-        mx.fast.cuda_kernel(
-            name=_named(kind, header, body),
-            input_names=[*first_inputs, *[f"p{i}" for i in range(len(components))]],
-            output_names=[output],
-            source=body,
-            header=header,
-        )
+    return custom_kernel(
+        mx.fast.cuda_kernel,
+        name=_named(kind, header, body),
+        input_names=[*first_inputs, *[f"p{i}" for i in range(len(components))]],
+        output_names=[output],
+        source=body,
+        header=header,
     )
 
 

@@ -45,7 +45,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import mlx.core as mx
 
 from moeflux_mlx.compute import kernels as K
-from moeflux_mlx.compute.kernel_source import load_source
+from moeflux_mlx.compute.kernel_source import compact, load_source
 
 # mlx/backend/common/metal_kernel.cpp
 MAX_CONSTANT_ARRAY_SIZE = 8  # inputs with fewer elements are passed in the constant space
@@ -309,8 +309,8 @@ class Variant:
             K.kernel_name(self.kind, "metal", self.combine_variant),
             names,
             K._OUTPUTS[self.kind],
-            b if body is None else body,
-            h if header is None else header,
+            compact(b if body is None else body),  # what the product hands MLX
+            compact(h if header is None else header),
             self.inputs,
             [self.dtype],
             self.template,
@@ -354,8 +354,8 @@ def mlx_source(
             name=K.kernel_name(v.kind, "metal", v.combine_variant),
             input_names=list(names),
             output_names=list(K._OUTPUTS[v.kind]),
-            source=b if body is None else body,
-            header=h if header is None else header,
+            source=compact(b if body is None else body),
+            header=compact(h if header is None else header),
             ensure_row_contiguous=v.kind == "combine",
         )
         arrays = [mx.zeros((i.size,) + (1,) * (i.ndim - 1), getattr(mx, i.dtype)) for i in v.inputs]
