@@ -1,14 +1,15 @@
 """Check ``moeflux-mlx doctor``'s decode forecast against measured decode.
 
 The forecast (``moeflux_mlx.commands.doctor.forecast``) is built only from what doctor
-measures or records: the model's expert bytes per token, the disk's read bandwidth (cold and
-warm, ``moeflux_mlx.io.bandwidth.read_bandwidth``), the hit rate at the budget read off the
-model's hit-rate curve (``moeflux_mlx.cache.curve``: its routing on a short text replayed through
-the eviction policy; recorded here first, as doctor records it, unless one is recorded already
-or ``--recalibrate``), and the decode time per token measured with every expert resident. This
-script then measures decode at three budgets, with warm reads (page cache) and with cold reads
-(``pread``, the page cache dropped every millisecond), and prints and writes a
-forecast-versus-measured table. Goal: within +-20%.
+measures or records: decode measured at two budgets (``calibrate_decode``: 90% of the experts
+and 15% of that, raised so that each layer holds 1.5x its top-k), the line
+``t = t_stream + missed bytes / miss rate`` through them, and the hit rate at each budget read
+off the model's hit-rate curve (``moeflux_mlx.cache.curve``: its routing on a short text replayed
+through the eviction policy; recorded here first, as doctor records it, unless one is recorded
+already or ``--recalibrate``). This script then measures decode at three other budgets (25, 50
+and 75%) with the page cache warm and prints and writes a forecast-versus-measured table. Goal:
+within +-20%. ``--cold`` adds the same with cold reads (``pread``, the page cache dropped every
+millisecond, the expert files not pinned: a model larger than RAM), calibrated cold too.
 
 The measured decode continues the calibration text, so that it routes as the curve's tokens did.
 A random-weight model routes no text as a trained one does; ``--routing-trace`` replays a
@@ -32,8 +33,9 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from moeflux_mlx.cache.curve import CurveError, Timing, find_curve  # noqa: E402
+from moeflux_mlx.cache.curve import CurveError, find_curve  # noqa: E402
 from moeflux_mlx.commands.doctor import (  # noqa: E402
+    calibrate_decode,
     forecast,
     measure_decode,
     record_curve,
@@ -77,6 +79,11 @@ def main(argv=None) -> int:
         help="replay this routing trace (benchmarks/cache_policy.py's .npz) in the routers; the "
         "model must have its experts per layer and top-k (the medium model does: 64, top-8)",
     )
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="also calibrate and measure with cold reads (page cache dropped, files not pinned)",
+    )
     p.add_argument("--label", default="cpu2", help="machine label for the results file name")
     p.add_argument(
         "--recalibrate",
@@ -112,16 +119,25 @@ def main(argv=None) -> int:
     config = json.loads((path / "config.json").read_text())
     vocab = config.get("text_config", config).get("vocab_size")
     prompt = calibration_prompt(load_tokenizer(path), vocab)
-    s_res, io_res, st = measure_decode(
-        path, "all", args.tokens, prompt=prompt, prepare=prepare, expert_io="pread"
-    )
-    compute = s_res - io_res
-    resident_backend = st["backend"]
     routed = sum(k * lay.blob_size for lay in layout.layers.values())
-    print(
-        f"resident: {1 / s_res:.2f} tok/s ({1e3 * compute:.1f} ms/token; backend {st['backend']})",
-        flush=True,
+    reads = [("warm", warm_bw, {})] + (
+        [("cold", cold_bw, {"cold": True, "pin_experts": False})] if args.cold else []
     )
+    calibrations = {}
+    for name, bw, how in reads:
+        cal = calibrate_decode(
+            path, layout, k, total, bw, name, args.tokens, prompt=prompt, prepare=prepare,
+            expert_io="pread", **how,
+        )  # fmt: skip
+        calibrations[name] = cal
+        print(
+            f"calibration ({name}): "
+            + ", ".join(f"{1 / t:.2f} tok/s at {b / total:.0%}" for b, t, _ in cal.points)
+            + f"; {1e3 * cal.timing.compute_s_per_token:.1f} ms/token + misses at "
+            f"{cal.timing.bandwidth / 1e9:.2f} GB/s ({cal.timing.basis})",
+            flush=True,
+        )
+    warm_timing = calibrations["warm"].timing
 
     try:
         fresh = args.recalibrate or prepare is not None  # a trace's curve is recorded each run
@@ -131,25 +147,21 @@ def main(argv=None) -> int:
         curve = None
     if curve is None or not curve.fits(layout, k) or "transition" not in curve.hit_rates:
         t0 = time.perf_counter()
-        curve = record_curve(
-            path, Timing(warm_bw, compute, "warm"), prepare=prepare, expert_io="pread"
-        )
+        curve = record_curve(path, warm_timing, prepare=prepare, expert_io="pread")
         print(f"recorded the hit-rate curve in {time.perf_counter() - t0:.1f} s", flush=True)
     print(f"hit-rate curve {curve.path} ({curve.tokens} tokens)", flush=True)
 
     rows = []
-    for reads, bw in (("warm", warm_bw), ("cold", cold_bw)):
+    for name, _, how in reads:
+        timing = calibrations[name].timing
         for f in BUDGETS:
             budget = int(f * total)
-            fc = forecast(layout, k, budget, bw, compute, curve, "transition")
+            fc = forecast(
+                layout, k, budget, timing.bandwidth, timing.compute_s_per_token, curve,
+                "transition",
+            )  # fmt: skip
             s_tok, io_tok, st = measure_decode(
-                path,
-                budget,
-                args.tokens,
-                cold=reads == "cold",
-                prompt=prompt,
-                prepare=prepare,
-                expert_io="pread",
+                path, budget, args.tokens, prompt=prompt, prepare=prepare, expert_io="pread", **how
             )
             t = st["total"]
             n = st["decode_tokens"]
@@ -159,7 +171,7 @@ def main(argv=None) -> int:
             err = (fc.tok_s - measured) / measured
             rows.append(
                 (
-                    f"{f:.0%}", reads, f"{fc.hit_rate:.0%}", f"{hit:.0%}" if hit is not None else "-",
+                    f"{f:.0%}", name, f"{fc.hit_rate:.0%}", f"{hit:.0%}" if hit is not None else "-",
                     f"{fc.miss_bytes_per_token / 1e6:.1f}", f"{mb:.1f}",
                     f"{1e3 * fc.io_s_per_token:.1f}", f"{1e3 * io_tok:.1f}",
                     f"{fc.tok_s:.2f}", f"{measured:.2f}", f"{100 * err:+.0f}%",
@@ -187,8 +199,16 @@ def main(argv=None) -> int:
         f"{len(layout.layers)} MoE layers, top-{k}, {routed / 1e6:.1f} MB of experts routed per token",
         "- read bandwidth (up to 256 distinct whole experts, 8 threads): "
         f"cold {cold_bw / 1e9:.2f} GB/s, warm {warm_bw / 1e9:.2f} GB/s",
-        f"- every expert resident: {1 / s_res:.2f} tok/s, {1e3 * compute:.1f} ms/token besides expert reads "
-        f"(the forecast's compute term); backend {resident_backend}",
+        *(
+            f"- calibration ({name}): decode "
+            + ", ".join(
+                f"{1 / t:.2f} tok/s at {b / total:.0%} ({m / 1e6:.1f} MB missed a token)"
+                for b, t, m in cal.points
+            )
+            + f"; the line: {1e3 * cal.timing.compute_s_per_token:.1f} ms/token + missed bytes at "
+            f"{cal.timing.bandwidth / 1e9:.2f} GB/s ({cal.timing.basis}); backend {cal.backend}"
+            for name, cal in calibrations.items()
+        ),
         f"- {args.tokens} decode tokens per measurement, continuing the calibration text, after 4 warm-up tokens; "
         "`pread` reads; cold = page cache dropped every millisecond while decoding",
         f"- routing: {routing}",

@@ -34,7 +34,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -46,6 +46,7 @@ from benchmarks.lib import cli  # noqa: E402
 from benchmarks.lib.decode import SkippedExperts  # noqa: E402
 from moeflux_mlx import measure  # noqa: E402
 from moeflux_mlx.commands.common import main_for  # noqa: E402
+from moeflux_mlx.format.checkpoint import expert_layout  # noqa: E402
 from moeflux_mlx.model.load import load  # noqa: E402
 
 STOCK, MOEFLUX, CEILING = "stock mlx-lm", "moeflux resident", "experts skipped (ceiling)"
@@ -157,18 +158,23 @@ def _compute_ms(model) -> float:
     return 1e3 * sum(s.compute_s for s in model.moeflux.stats.layers.values())
 
 
-def measure_rounds(path: Path, rounds: int, tokens: int) -> dict:
-    """Load stock and moeflux (every expert resident), decode in turn ``rounds`` times."""
+def measure_rounds(path: Path, rounds: int, tokens: int, shares: Sequence[float] = ()) -> dict:
+    """Load stock and moeflux (every expert resident, and at each of ``shares`` of the experts'
+    bytes: the streaming path), decode in turn ``rounds`` times."""
     stock = mlx_lm.load(str(path))[0]
     model, _ = load(path, cache_budget="all")
     backend = model.moeflux.backend
+    total = expert_layout(path).total_expert_bytes
+    partial = {f"moeflux at {f:.0%}": load(path, cache_budget=int(f * total))[0] for f in shares}
     layers = len(model.moeflux.stats.layers) or 1
     prompt = mx.array(list(range(100, 164)))
-    runs: Dict[str, List[dict]] = {STOCK: [], MOEFLUX: [], CEILING: []}
+    runs: Dict[str, List[dict]] = {STOCK: [], MOEFLUX: [], CEILING: [], **{n: [] for n in partial}}
 
     def use(name: str):
         if name == STOCK:
             return stock
+        if name in partial:
+            return partial[name]
         model.moeflux.backend = SkippedExperts() if name == CEILING else backend
         return model
 
@@ -177,19 +183,20 @@ def measure_rounds(path: Path, rounds: int, tokens: int) -> dict:
             measure.time_generation(use(name), prompt, measure.WARM_UP_TOKENS)
         layers = len(model.moeflux.stats.layers) or layers
         for r in range(rounds):
-            order = list(runs)[r % 3 :] + list(runs)[: r % 3]
+            order = list(runs)[r % len(runs) :] + list(runs)[: r % len(runs)]
             for name in order:
                 m = use(name)
                 tps = measure.time_generation(m, prompt, tokens)[1]
-                before = _compute_ms(m) if m is model else 0.0
+                before = _compute_ms(m) if m is not stock else 0.0
                 parts = split_steps(m, prompt, tokens)
-                if m is model:  # the backend's Python time, per token (prefill's share is small)
+                if m is not stock:  # the backend's Python time, per token (prefill's is small)
                     parts["compute"] = (_compute_ms(m) - before) / (tokens + 1)
                 runs[name].append(dict(parts, tps=tps))
         costs = launch_costs(model)
     finally:
         model.moeflux.backend = backend
-        model.moeflux.close()
+        for m in (model, *partial.values()):
+            m.moeflux.close()
     return {
         "layers": layers,
         "tokens": tokens,
@@ -260,6 +267,13 @@ def main(argv=None) -> int:
     cli.add_model_args(parser, size="full")
     parser.add_argument("--rounds", type=cli.positive_int, default=3)
     parser.add_argument("--decode-tokens", type=cli.positive_int, default=64)
+    parser.add_argument(
+        "--budgets",
+        type=cli.budget_list,
+        default=[],
+        help="also moeflux at these shares of the experts' bytes (e.g. 0.99: the streaming "
+        "path, nearly every expert resident, split the same way)",
+    )
     parser.add_argument("--machine", help="machine name for the results (default: detected)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--no-write", action="store_true", help="print only")
@@ -267,7 +281,7 @@ def main(argv=None) -> int:
     def run(args) -> int:
         args.convert = False
         path, _ = cli.benchmark_model(args)
-        result = measure_rounds(path, args.rounds, args.decode_tokens)
+        result = measure_rounds(path, args.rounds, args.decode_tokens, args.budgets)
         rows = summarize(result)
         machine = args.machine or measure.machine_name()
         table = format_table(rows) + "\n\n" + format_launch_costs(result["launch_costs"])

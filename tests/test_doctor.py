@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -40,6 +41,30 @@ def test_forecast_arithmetic(model):
     assert 0.4 < half.hit_rate < 0.6
     rates = doctor.estimated_hit_rates(layout, layout.total_expert_bytes // 2)
     assert set(rates) == set(layout.layers) and all(0.4 < r <= 0.5 for r in rates.values())
+
+
+def test_the_forecast_is_the_line_through_two_measured_decodes():
+    """``t = t_stream + missed bytes / miss rate`` through two decodes; where the lower budget
+    shows no rise, the read bandwidth is the miss rate and the line meets the first point."""
+    t = doctor.fit_timing([(900, 0.030, 100e6), (200, 0.070, 500e6)], 7e9, "warm")
+    assert t.bandwidth == pytest.approx(10e9) and t.compute_s_per_token == pytest.approx(0.020)
+    assert t.basis == "misses measured in decode"
+    flat = doctor.fit_timing([(900, 0.030, 100e6), (200, 0.029, 500e6)], 5e9, "cold")
+    assert flat.bandwidth == 5e9 and flat.basis == "cold"
+    assert flat.compute_s_per_token == pytest.approx(0.030 - 100e6 / 5e9)
+    one = doctor.fit_timing([(900, 0.001, 100e6)], 5e9, "warm")
+    assert one.compute_s_per_token == 0.0  # never below nothing
+
+
+def test_calibration_budgets(model):
+    """90% of the experts at most, and 15% of that, raised to 1.5x the top-k a layer."""
+    layout = expert_layout(model)
+    total, k = layout.total_expert_bytes, doctor.top_k_of(model)
+    e = max(lay.num_experts for lay in layout.layers.values())
+    hi, lo = doctor.calibration_budgets(layout, k, total)
+    assert hi == int(0.9 * total)
+    assert lo == max(int(0.15 * hi), math.ceil(1.5 * k / e * total))
+    assert doctor.calibration_budgets(layout, k, total // 10) == (total // 10, total // 10)
 
 
 def test_doctor_without_model(capsys):
@@ -87,7 +112,9 @@ def test_doctor_with_model_measures_and_forecasts(model, capsys):
     assert rows["recommended cache budget"].endswith("every expert)")
     assert re.match(r"cold [\d.]+ GB/s, warm \(page cache\) [\d.]+ GB/s", rows["read bandwidth"])
     assert re.match(r"cold [\d.]+ GB/s with expert_io=direct", rows["uncached reads"])
-    assert re.match(r"[\d.]+ tok/s at budget", rows["decode, measured"])
+    measured = rows["decode, measured"]
+    assert len(re.findall(r"[\d.]+ tok/s at \S+ \S+ \(\S+ \S+ missed a token\)", measured)) == 2
+    assert re.match(r"[\d.]+ ms/token \+ missed bytes at [\d.]+ GB/s", rows["forecast basis"])
     fc = [k for k in rows if k.strip().startswith("forecast at")]
     assert [k.strip() for k in fc] == [
         "forecast at 0%",

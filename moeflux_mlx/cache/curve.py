@@ -8,7 +8,7 @@ the cache splits it (``slots.slots_per_layer``). Uniform routing's ``n / E`` has
 trained router's skew and reuse do.
 
 Who writes what, and when: ``moeflux-mlx doctor MODEL`` (or ``benchmarks/forecast.py``) records
-the curve, with the read bandwidth and the resident decode time it measured beside it, in
+the curve, with the decode terms it measured beside it (``Timing``), in
 ``moeflux-hit-curve.json`` in the model directory, or where that is not writable in the user
 cache (``$XDG_CACHE_HOME/moeflux-mlx/curves``). Each write replaces the whole file atomically
 (a temporary file, then ``os.replace``): a reader sees the old file or the new one, never half
@@ -16,7 +16,7 @@ of one. Loads only read it.
 
 ``"auto"`` (``auto_budget``, which loads reach through ``resolve_budget`` and ``doctor`` calls
 itself): at most what the default (None) gives. Where every expert fits in that, every expert.
-Else, on the curve, with ``t(b) = t_compute + (1 - h(b)) x expert bytes per token / bandwidth``,
+Else, on the curve, with ``t(b) = t_stream + (1 - h(b)) x expert bytes per token / miss rate``,
 the smallest budget whose forecast rate is ``AUTO_RATE_SHARE`` of the rate at the most it may take.
 Without a usable curve file: the default, and one log line saying how to record one (calibrating at
 load would read every expert once: minutes on a large model).
@@ -61,13 +61,16 @@ HINT = "run `moeflux-mlx doctor MODEL` once to record the model's hit-rate curve
 
 @dataclass(frozen=True)
 class Timing:
-    """What the forecast needs besides the curve, as ``doctor`` measured it.
+    """What the forecast needs besides the curve, as ``doctor`` measured it: the line
+    ``t = compute_s_per_token + missed bytes / bandwidth`` through decode measured at two
+    budgets (``commands.doctor.calibrate_decode``).
 
     Attributes:
-        bandwidth: bytes/s of the reads a miss makes (warm or cold, whichever decode will see).
-        compute_s_per_token: decode seconds per token besides expert reads, every expert
-            resident.
-        basis: which reads ``bandwidth`` measured (``warm`` or ``cold``), for people.
+        bandwidth: bytes/s: what a missed byte costs decode (its read, its copy, the device's
+            wait for it); where the two decodes gave no line, the disk's read rate.
+        compute_s_per_token: decode seconds per token on the streaming path with nothing missed.
+        basis: where ``bandwidth`` comes from (``misses measured in decode``, ``warm`` or
+            ``cold`` reads), for people.
     """
 
     bandwidth: float
@@ -400,7 +403,7 @@ def write_curve(model_dir: Path, curve: HitCurve) -> Path:
 
 
 def tok_s(curve: HitCurve, policy: str, share: float, routed_bytes: float, timing: Timing) -> float:
-    """Forecast decode tok/s at ``share`` of the experts: ``1 / (t_compute + (1 - h) x
+    """Forecast decode tok/s at ``share`` of the experts: ``1 / (t_stream + (1 - h) x
     routed_bytes / bandwidth)``."""
     miss = (1 - curve.hit_rate(policy, share)) * routed_bytes
     s = timing.compute_s_per_token + (miss / timing.bandwidth if timing.bandwidth > 0 else 0)

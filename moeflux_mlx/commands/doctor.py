@@ -7,15 +7,19 @@ slot writes, whole-layer prefill), the kernels' self-check verdicts on this mach
 on Metal the recommended working set and the wired limit. With a MODEL: the RAM gate's choice,
 a recommended cache budget (one that fits the working set), a short measured read bandwidth of
 the disk holding the experts (cold: page cache dropped first; warm: the same reads again), the
-decode time per token with the budget's experts resident, and a forecast of decode tok/s at
-several budgets:
+decode time per token measured at two budgets, and a forecast of decode tok/s
+at several budgets:
 
-    t(budget) = t_resident + (expert bytes a token misses at that budget) / read bandwidth
+    t(budget) = t_stream + (expert bytes a token misses at that budget) / miss rate
 
-where a token misses, in each MoE layer, top-k x blob bytes x (1 - hit rate). The hit rate is the
+where a token misses, in each MoE layer, top-k x blob bytes x (1 - hit rate). ``t_stream`` (a
+token's time on the streaming path with nothing missed) and the miss rate (what a missed byte
+costs decode: its read, its copy and the device's wait for it) are the line through the two
+measured decodes, each the time per token against the bytes it missed (``calibrate_decode``).
+The hit rate is the
 model's measured hit-rate curve (``cache.curve``): doctor records the model's routing on a short
 built-in text, replays it through the eviction policy at budgets of 0-100% of the experts, and
-records the curve (with the bandwidth and decode time above) beside the model, where
+records the curve (with the two terms above) beside the model, where
 ``cache_budget="auto"`` reads it. It prints the curve (and plots it, where matplotlib is
 installed) and the budget auto would choose. Without a curve (``--no-bench``) a layer holding n of
 its E experts is estimated to hit n / E (routing uniform over the experts).
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import platform
 import sys
@@ -37,6 +42,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 import psutil
+from mlx_lm.utils import load_tokenizer
 
 from .. import __version__
 from ..cache import wired
@@ -50,7 +56,7 @@ from ..format.layout import ModelLayout
 from ..format.safetensors import index_directory
 from ..io.bandwidth import read_bandwidth
 from ..io.store import choose_expert_io
-from ..model.calibrate import calibrate
+from ..model.calibrate import calibrate, calibration_prompt
 from ..model.load import load
 from ..model.runtime import machine_choices
 from ..model.source import resolve_model_path
@@ -71,6 +77,11 @@ DESCRIPTION = (
 )
 DECODE_TOKENS = 16
 FORECAST_FRACTIONS = (0.0, 0.25, 0.5, 1.0)
+# doctor's two measured budgets: the recommended one, at most this share of the experts (the
+# streaming path serves it: every expert resident would not show what the path costs) ...
+CALIBRATION_TOP = 0.9
+# ... and this fraction of it, where each layer still holds one and a half times its top-k
+CALIBRATION_LOW = 0.15
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,6 +150,80 @@ def forecast(
         miss / bandwidth if bandwidth > 0 else float("inf"),
         compute_s_per_token,
     )
+
+
+@dataclass
+class Calibration:
+    """Decode measured at two budgets, and the forecast's terms fitted to them.
+
+    Attributes:
+        points: ``(budget bytes, seconds per token, missed bytes per token)``, the higher
+            budget first.
+        timing: ``t_stream`` (``compute_s_per_token``) and the miss rate (``bandwidth``).
+        backend: what computed the experts.
+    """
+
+    points: List[Tuple[int, float, float]]
+    timing: Timing
+    backend: str
+
+
+def calibration_budgets(layout: ModelLayout, top_k: int, budget: int) -> Tuple[int, int]:
+    """doctor's two measured budgets, the higher first: ``budget`` (at most ``CALIBRATION_TOP``
+    of the experts) and ``CALIBRATION_LOW`` of it, raised where a layer would hold fewer than
+    one and a half times its top-k."""
+    total = layout.total_expert_bytes
+    hi = min(budget, int(CALIBRATION_TOP * total))
+    least = max(1.5 * top_k / lay.num_experts for lay in layout.layers.values())
+    return hi, min(hi, max(int(CALIBRATION_LOW * hi), math.ceil(least * total)))
+
+
+def fit_timing(points: Sequence[Tuple[int, float, float]], bandwidth: float, basis: str) -> Timing:
+    """The line ``t = t_stream + missed bytes / miss rate`` through two measured decodes
+    ``(budget, seconds per token, missed bytes per token)``. Where they do not span a rise
+    (one budget, or fewer misses at the lower), the miss rate is ``bandwidth`` (``basis``: which
+    reads it is) and the line goes through the first point."""
+    (_, t_hi, m_hi), (_, t_lo, m_lo) = points[0], points[-1]
+    if m_lo > m_hi and t_lo > t_hi:
+        rate = (m_lo - m_hi) / (t_lo - t_hi)
+        basis = "misses measured in decode"
+    else:
+        rate = bandwidth
+    return Timing(rate, max(0.0, t_hi - m_hi / rate if rate > 0 else t_hi), basis)
+
+
+def calibrate_decode(
+    path: Path,
+    layout: ModelLayout,
+    top_k: int,
+    budget: int,
+    bandwidth: float,
+    basis: str,
+    tokens: int = DECODE_TOKENS,
+    **measure,
+) -> Calibration:
+    """Measure decode at ``calibration_budgets`` and fit the forecast's terms to it.
+
+    Args:
+        path: the model directory.
+        layout: its expert layout.
+        top_k: experts a token routes.
+        budget: the higher budget asked for (the recommended one).
+        bandwidth: the read bandwidth the fit falls back on.
+        basis: which reads ``bandwidth`` is, for people.
+        tokens: decode tokens timed at each budget.
+        **measure: ``measure_decode``'s other arguments (prompt, prepare, cold, load options).
+
+    Returns:
+        The measurements and the fitted timing.
+    """
+    points, backend = [], "-"
+    for b in dict.fromkeys(calibration_budgets(layout, top_k, budget)):
+        s_tok, _, st = measure_decode(path, b, tokens, **measure)
+        missed = st["total"]["bytes_read"] / max(st["decode_tokens"], 1)
+        points.append((b, s_tok, missed))
+        backend = st["backend"]
+    return Calibration(points, fit_timing(points, bandwidth, basis), backend)
 
 
 def top_k_of(path: Path) -> int:
@@ -488,26 +573,34 @@ def _model_rows(path: Path, given: dict, bench: bool) -> List[Tuple[str, str]]:
         if fits_page_cache
         else "the experts exceed the free RAM"
     )
-    resident_budget = "all" if budget >= total else budget
-    s_tok, io_tok, st = measure_decode(
-        path, resident_budget, **{k2: v for k2, v in given.items() if k2 != "cache_budget"}
+    config = read_config(path)
+    vocab = config.get("text_config", config).get("vocab_size")
+    cal = calibrate_decode(
+        path,
+        layout,
+        k,
+        budget,
+        bw,
+        "warm" if fits_page_cache else "cold",
+        prompt=calibration_prompt(load_tokenizer(path), vocab),  # routes as the curve's text
+        **{k2: v for k2, v in given.items() if k2 != "cache_budget"},
     )
-    compute = s_tok - io_tok
-    rows.append(
-        (
-            "decode, measured",
-            f"{1 / s_tok:.1f} tok/s at budget {fmt_bytes(budget)} ({1e3 * compute:.1f} ms/token "
-            f"besides expert reads; backend {st['backend']})",
-        )
+    timing = cal.timing
+    measured = ", ".join(
+        f"{1 / t:.1f} tok/s at {fmt_bytes(b)} ({fmt_bytes(m)} missed a token)"
+        for b, t, m in cal.points
     )
+    rows.append(("decode, measured", f"{measured}; backend {cal.backend}"))
     rows.append(
         (
             "forecast basis",
-            f"{'warm' if fits_page_cache else 'cold'} reads at {bw / 1e9:.2f} GB/s ({basis})",
+            f"{1e3 * timing.compute_s_per_token:.1f} ms/token + missed bytes at "
+            f"{timing.bandwidth / 1e9:.2f} GB/s ({timing.basis}"
+            + ("" if timing.basis == "misses measured in decode" else f": {basis}")
+            + ")",
         )
     )
     policy = options.eviction
-    timing = Timing(bw, compute, "warm" if fits_page_cache else "cold")
     t0 = time.perf_counter()
     curve: Optional[HitCurve] = None
     try:
@@ -526,7 +619,9 @@ def _model_rows(path: Path, given: dict, bench: bool) -> List[Tuple[str, str]]:
         rows += curve_rows(curve, policy, layout, k)
     fractions = sorted({*FORECAST_FRACTIONS, min(1.0, budget / max(total, 1))})
     for f in fractions:
-        fc = forecast(layout, k, int(f * total), bw, compute, curve, policy)
+        fc = forecast(
+            layout, k, int(f * total), timing.bandwidth, timing.compute_s_per_token, curve, policy
+        )
         rows.append(
             (
                 f"  forecast at {f:.0%}",
