@@ -146,10 +146,10 @@ def measure(path: Path, rounds: int, steps: int, base: Optional[Path] = None):
 def format_table(times: Dict[str, List[float]]) -> str:
     lines = ["| build of | µs per MoE layer | p25-p75 | min |", "| --- | --- | --- | --- |"]
     for name, ts in times.items():
-        q = statistics.quantiles(ts, n=4)
+        q = statistics.quantiles(ts, n=4) if len(ts) > 1 else None
+        spread = f"{1e6 * q[0]:.2f}-{1e6 * q[2]:.2f}" if q else "-"
         lines.append(
-            f"| {name} | {1e6 * statistics.median(ts):.2f} | "
-            f"{1e6 * q[0]:.2f}-{1e6 * q[2]:.2f} | {1e6 * min(ts):.2f} |"
+            f"| {name} | {1e6 * statistics.median(ts):.2f} | {spread} | {1e6 * min(ts):.2f} |"
         )
     return "\n".join(lines)
 
