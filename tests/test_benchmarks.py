@@ -617,3 +617,21 @@ def test_forecast_benchmark_replays_a_trace_in_the_curve_and_the_decode(tmp_path
     row = next(line for line in report.splitlines() if line.startswith("| 25% | warm |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[2] == "100%" and cells[3] == "100%"  # hit rate: forecast, measured
+
+
+def test_host_path_benchmark_times_each_way_and_a_base_build_in_turn(tiny_checkpoints, capsys):
+    """The host-path benchmark times step builds and layer calls of stock, moeflux and moeflux
+    with its experts skipped, and a base tree's moeflux rows in the same process (here this
+    very checkout's, imported under the base's package name)."""
+    hp = _benchmark_script("host_path")
+    src, _ = tiny_checkpoints["qwen3_moe"]
+    root = Path(__file__).resolve().parents[1]
+    assert hp.main(["--model", str(src), "--rounds", "1", "--steps", "2", "--base", str(root)]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()]
+    times = {row[0][2:]: float(row[1]) for row in rows if row[0].startswith(("| step", "| layer"))}
+    ways = ("stock mlx-lm", "moeflux (ops)", "moeflux, experts skipped")
+    ways += ("base moeflux (ops)", "base moeflux, experts skipped")
+    assert set(times) == {f"step: {w}" for w in ways} | {
+        f"layer call: {w}" for w in ("stock mlx-lm SwitchGLU", *ways[1:])
+    }
+    assert all(t > 0 for t in times.values())

@@ -847,6 +847,36 @@ def test_backend_adds_two_graph_nodes(monkeypatch):
     assert gshape == (1, 1, 4, 128) and dshape == out.shape == (1, 1, 4, 256)
 
 
+def test_backend_casts_only_slots_the_kernels_cannot_read(monkeypatch):
+    """Slots the kernels read as slot numbers (int32, uint32) go to both launches as they are;
+    others are cast once, to int32: the plan of each slots dtype says which."""
+    launched = []
+
+    def fake_kernel(kind, dialect, variant="plain"):
+        def run(inputs, output_shapes, output_dtypes, **kw):
+            launched.append(inputs[1])
+            return [mx.zeros(output_shapes[0], output_dtypes[0])]
+
+        return run
+
+    monkeypatch.setattr(K, "_kernel", fake_kernel)
+    kb = K.KernelBackend("cuda", OpsBackend(), selfcheck=False)
+    kb._available = True
+    pool = _cpu_pool()
+    x = mx.random.normal((1, 1, 256))
+    for dtype in (mx.uint32, mx.int64, mx.int32, mx.int64, mx.uint32):
+        slots = mx.array([[[0, 1, 2, 3]]], dtype=dtype)
+        launched.clear()
+        kb(x, slots, pool, SwiGLU())
+        glu_slots, down_slots = launched
+        assert glu_slots is down_slots
+        if dtype in K.SLOT_DTYPES:
+            assert glu_slots is slots
+        else:
+            assert glu_slots.dtype == mx.int32 and mx.array_equal(glu_slots, slots).item()
+    assert len(pool.plans) == 3 and kb.last_served == "cuda"
+
+
 def test_wrappers_validate_before_launch():
     pool = _cpu_pool()
     x = mx.random.normal((1, 256))

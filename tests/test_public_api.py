@@ -93,6 +93,27 @@ def test_a_dtype_set_on_the_model_reaches_the_streamed_experts(checkpoints, kind
     ours.moeflux.close()
 
 
+def test_a_dtype_set_between_calls_is_the_one_computed(checkpoints):
+    """The streamed layers work out which components to cast once per change of their dtype
+    markers: a dtype set after calls, and set back, computes as stock's each time."""
+    src = checkpoints["quantized"]
+    stock, _ = mlx_lm.load(str(src))
+    ours, _ = moeflux_mlx.load(src, backend="ops")
+    with ours.moeflux:
+        for dtype in (None, mx.float32, mx.bfloat16):  # bf16 -> f32 -> bf16 is lossless
+            for model in (stock, ours):
+                if dtype is not None:
+                    model.set_dtype(dtype)
+            want, got = stock(mx.array([[5]])), ours(mx.array([[5]]))
+            assert got.dtype == want.dtype == (dtype or mx.bfloat16)
+            assert mx.array_equal(got, want).item()
+        layers = len(ours.moeflux.layout.layers)
+        assert moeflux_mlx.stats(ours)["served"] == {
+            "ops": 2 * layers,
+            f"ops (fallback: {_OPS.why})": layers,
+        }
+
+
 def test_the_files_dtype_computes_as_before(checkpoints):
     ours, _ = moeflux_mlx.load(checkpoints["quantized"], backend="ops")
     with ours.moeflux:

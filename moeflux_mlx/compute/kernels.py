@@ -734,6 +734,8 @@ class Plan:
 
     launches: Optional[Tuple[Launch, Launch]]
     served: str  # "metal" / "cuda", or "ops (fallback: <why>)"
+    # the slots' dtype is in the plan's key: whether the launches take them cast (``_slots``)
+    cast_slots: bool = False
 
 
 def source_digest(dialect: str) -> str:
@@ -820,7 +822,8 @@ class KernelBackend:
         if plan.launches is None:
             return self.fallback(x, slots, pool, activation)
         glu, down = plan.launches
-        slots = _slots(slots)
+        if plan.cast_slots:
+            slots = _slots(slots)
         return down(glu(x, slots), slots)  # two graph nodes per layer, nothing else
 
     def _plan(self, x, slots, pool, activation) -> Plan:
@@ -845,7 +848,7 @@ class KernelBackend:
             verdict = check.verdict(variant, lambda: self._check(variant, x, slots, pool))
             if not verdict.ok:
                 return Plan(None, f"ops (fallback: {failed_check(variant, verdict)})")
-        return Plan(launches, self.dialect)
+        return Plan(launches, self.dialect, cast_slots=slots.dtype not in SLOT_DTYPES)
 
     def _launches(self, pool, x, slots) -> Tuple[Launch, Launch]:
         q = pool.quantization
