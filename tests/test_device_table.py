@@ -26,7 +26,7 @@ from moeflux_mlx.cache.pool import IN_PLACE_BIT, InPlaceExperts, host_view
 from moeflux_mlx.cache.whole_layer import OBSERVE_ROWS
 from moeflux_mlx.compute.kernel_source import load_source
 from moeflux_mlx.cuda import control_block as cb
-from moeflux_mlx.cuda import pinned_files, table_cache
+from moeflux_mlx.cuda import pinned_files
 from moeflux_mlx.cuda import runtime as cuda_runtime
 from moeflux_mlx.cuda import table_kernels as tk
 from moeflux_mlx.cuda.miss_client import MissServer
@@ -479,36 +479,6 @@ def test_passes_outgrowing_the_slots_are_one_call_the_rest_read_in_place(
         assert t.experts_missed > 0
         if not pinned:
             assert sorted(rt.cache.table._in_staging) == layers
-
-
-@pytest.mark.parametrize("pinned", [False, True])
-def test_passes_outgrowing_the_slots_with_large_experts_go_a_token_at_a_time(
-    table_on_cpu, reference, monkeypatch, pinned
-):
-    """Experts larger than ``IN_PLACE_MAX_BLOB`` are not read where they lie (over the bus the
-    kernels are slow at it): the same passes go a token at a time, nothing read in place, the
-    tokens as plain decoding's."""
-    packed, _, _, total = reference
-    outside = []
-    gathered = InPlaceExperts.gathered
-
-    def counting(self, pool, slots):
-        outside.append(int((np.array(slots).astype(np.int64) & IN_PLACE_BIT != 0).sum()))
-        return gathered(self, pool, slots)
-
-    monkeypatch.setattr(InPlaceExperts, "gathered", counting)
-    monkeypatch.setattr(StreamingRuntime, "reads_outside", lambda *a: True)
-    monkeypatch.setattr(
-        table_cache,
-        "IN_PLACE_MAX_BLOB",
-        min(lay.blob_size for lay in expert_layout(packed).layers.values()) - 1,
-    )
-    model, tokenizer = _load_streamed(packed, total, pin_experts=pinned)
-    with model.moeflux as rt:
-        t = _speculate(model, tokenizer, rt)
-        assert t.calls == t.tokens  # every call of one token
-        assert sum(outside) == 0
-        assert t.experts_missed > 0
 
 
 def test_passes_outgrowing_the_slots_go_a_token_at_a_time_where_plain_ops_compute(

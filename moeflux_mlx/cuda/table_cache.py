@@ -5,12 +5,11 @@ Decode calls (one token) on partly cached layers look their slots up on the GPU
 (``table_kernels.resolve``), and only the GPU waits, only on misses, for the miss server process,
 which owns those layers' eviction policy (``miss_client``, ``miss_server``). A short multi-token
 call verifying draft tokens is one table call too (``plan_pass``), however many experts it
-names, where they are small (``IN_PLACE_MAX_BLOB``): the server admits what the slots hold, and
-the expert kernels read the rest where it lies (``cache.pool.InPlaceExperts``), in the pinned
-expert files or in the staging the server read it into. A pass outgrowing the slots with larger
-experts, or whose misses the staging cannot hold, is served a token at a time instead: its
-first token announces every token's experts, so the server reads the pass's union at once and
-keeps its resident experts until the last token; no host sync either way.
+names: the server admits what the slots hold, and the expert kernels read the rest where it lies
+(``cache.pool.InPlaceExperts``), in the pinned expert files or in the staging the server read it
+into. A pass whose misses the staging cannot hold (large experts) is served a token at a time
+instead: its first token announces every token's experts, so the server reads the pass's union
+at once and keeps its resident experts until the last token; no host sync either way.
 Host-synced calls (a short prefill) on the table's layers keep their bookkeeping here too
 (``TableBook``): the server admits, this process writes the bytes, in place.
 
@@ -63,13 +62,6 @@ def table_layers(layout: ModelLayout, n_slots: Dict[int, int]) -> Dict[int, Tupl
 # tokens of a call served a token at a time: a speculative pass verifies a few draft tokens; a
 # longer call (a prefill) takes one host sync instead of as many table calls
 MAX_WAVES = 8
-# Largest expert (blob bytes) that a pass outgrowing its slots reads where it lies: the fused
-# kernels read it over the bus, at a fraction of the bus's rate. Measured on an H200 at 25%,
-# prompt lookup K=4: the demo's 54 KB experts read in place gave 1.51-1.79x plain decoding; the
-# 2.65 MB experts of Qwen3-30B-A3B's shape gave 0.20x (301 ms a pass against plain decoding's
-# 27), a token at a time 1.16x. Larger experts go a token at a time, each wave's misses copied
-# into the slots.
-IN_PLACE_MAX_BLOB = 256 << 10
 
 
 class TableBook:
@@ -255,9 +247,9 @@ class DeviceTable:
         list, else the staging's rows. Then its union is admitted at once, and the expert
         kernels run once for all its tokens, as for an all-resident pass. With ``outside`` (the
         expert computation reads experts outside the pool) a union larger than the slots is
-        served too, where the layer's experts are small (``IN_PLACE_MAX_BLOB``): the server
-        admits what the slots hold, resident experts first (``miss_server.within_slots``), and
-        leaves the rest in the pinned files, or reads it into the staging after the misses."""
+        served too: the server admits what the slots hold, resident experts first
+        (``miss_server.within_slots``), and leaves the rest in the pinned files, or reads it
+        into the staging after the misses."""
         n, k = indices.size, indices.shape[-1]
         if n > MAX_SELECTIONS:
             return False
@@ -266,9 +258,7 @@ class DeviceTable:
             return False  # the staging takes every miss of the answer
         if table_kernels.fits(n, self.slots.n_slots[layer]):
             return True
-        if not outside or self._blob(layer) > IN_PLACE_MAX_BLOB:
-            return False
-        return self._outside(layer, k)[1] is not None
+        return outside and self._outside(layer, k)[1] is not None
 
     def _outside(self, layer: int, top_k: int) -> Tuple[int, Optional[InPlaceExperts]]:
         """Where the expert kernels read the experts a pass leaves out of the layer's slots,
