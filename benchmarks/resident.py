@@ -90,7 +90,7 @@ def _empty_kernel(x: mx.array, header_kb: int):
     return lambda: kernel(inputs=[x], **launch)[0]
 
 
-def launch_costs(model, calls: int = 480) -> Dict[str, Dict[str, float]]:
+def launch_costs(model, backend, calls: int = 480) -> Dict[str, Dict[str, float]]:
     """Host µs per call of the expert computation alone, on the first MoE layer's resident
     pool at one decode token: ``calls`` calls built (Python) and then launched together
     (``mx.async_eval``), then waited for; beside it a plain MLX op and, on CUDA, a custom kernel
@@ -111,7 +111,7 @@ def launch_costs(model, calls: int = 480) -> Dict[str, Dict[str, float]]:
     x = mx.random.normal((1, 1, hidden)).astype(mx.bfloat16)
     slots = mx.array([[list(range(top_k))]], dtype=mx.uint32)
     ways = {
-        "expert computation (moeflux's backend)": lambda: rt.backend(x, slots, pool, activation),
+        "expert computation (moeflux's backend)": lambda: backend(x, slots, pool, activation),
         "plain MLX op (x + 1)": lambda: x + 1,
     }
     if mx.default_device() == mx.gpu and mx.cuda.is_available():
@@ -192,7 +192,7 @@ def measure_rounds(path: Path, rounds: int, tokens: int, shares: Sequence[float]
                 if m is not stock:  # the backend's Python time, per token (prefill's is small)
                     parts["compute"] = (_compute_ms(m) - before) / (tokens + 1)
                 runs[name].append(dict(parts, tps=tps))
-        costs = launch_costs(model)
+        costs = launch_costs(model, backend)  # its own backend: the ceiling may be in place
     finally:
         model.moeflux.backend = backend
         for m in (model, *partial.values()):

@@ -635,3 +635,34 @@ def test_host_path_benchmark_times_each_way_and_a_base_build_in_turn(tiny_checkp
         f"layer call: {w}" for w in ("stock mlx-lm SwitchGLU", *ways[1:])
     }
     assert all(t > 0 for t in times.values())
+
+
+def test_resident_benchmark_splits_each_model_and_times_the_real_backend(
+    tiny_checkpoints, tmp_path
+):
+    """resident.py decodes stock, moeflux, the ceiling and a partial budget in turn, each step
+    split into build, launch and wait; its launch-cost table times the model's own backend even
+    when the rounds ended on the ceiling, whose stand-in computes nothing."""
+    rs = _benchmark_script("resident")
+    src, _ = tiny_checkpoints["qwen3_moe"]
+    out = tmp_path / "out"
+    argv = [
+        str(src),
+        "--rounds",
+        "2",
+        "--decode-tokens",
+        "2",
+        "--budgets",
+        "0.5",
+        "--out",
+        str(out),
+    ]
+    assert rs.main(argv) == 0
+    result = json.loads(next(out.glob("*-resident.json")).read_text())
+    assert set(result["runs"]) == {rs.STOCK, rs.MOEFLUX, rs.CEILING, "moeflux at 50%"}
+    for runs in result["runs"].values():
+        assert len(runs) == 2 and all(r["build"] > 0 and r["tps"] > 0 for r in runs)
+    backend = result["launch_costs"]["expert computation (moeflux's backend)"]
+    plain_op = result["launch_costs"]["plain MLX op (x + 1)"]
+    # on the CPU plain ops compute the experts: far more device work than one addition
+    assert backend["launch"] + backend["wait"] > plain_op["launch"] + plain_op["wait"]
