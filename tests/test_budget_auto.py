@@ -287,7 +287,7 @@ def test_doctor_shows_the_budget_a_load_chooses(recorded, model_dir, monkeypatch
     layout = expert_layout(model_dir)
     _small_ram(monkeypatch, layout.total_expert_bytes)
     chosen = C.resolve_budget("auto", layout, model_dir, "transition")
-    assert str(recorded.path) in chosen.why and "warm reads at" in chosen.why
+    assert str(recorded.path) in chosen.why and "GB/s: warm" in chosen.why
     rows = dict(doctor.curve_rows(recorded, "transition", layout, recorded.top_k))
     assert rows["cache budget auto"] == f"{common.fmt_bytes(chosen.bytes)}: {chosen.why}"
 

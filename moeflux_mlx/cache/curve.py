@@ -439,9 +439,10 @@ def pick(
         timing: bandwidth and compute time.
 
     Returns:
-        The choice; its ``why`` names the forecast and the reads it assumes (warm or cold: a
-        curve recorded with the experts in the page cache forecasts faster misses than a
-        machine whose page cache cannot hold them will see).
+        The choice; its ``why`` names the forecast and the miss rate it assumes, and where that
+        rate comes from (decode measured by doctor, or warm or cold reads: a curve recorded with
+        the experts in the page cache forecasts faster misses than a machine whose page cache
+        cannot hold them will see).
     """
     total = curve.total_expert_bytes
     top = min(1.0, ceiling / max(total, 1))
@@ -452,8 +453,8 @@ def pick(
             n = ceiling if share == top else int(share * total)
             why = (
                 f"auto: {share:.0%} of the experts, forecast {rate:.1f} tok/s "
-                f"(hit rate {curve.hit_rate(policy, share):.0%}, {timing.basis} reads at "
-                f"{timing.bandwidth / 1e9:.2f} GB/s), within {1 - AUTO_RATE_SHARE:.0%} of "
+                f"(hit rate {curve.hit_rate(policy, share):.0%}, misses at "
+                f"{timing.bandwidth / 1e9:.2f} GB/s: {timing.basis}), within {1 - AUTO_RATE_SHARE:.0%} of "
                 f"{best:.1f} tok/s at the default {top:.0%} (curve {curve.path})"
             )
             return BudgetChoice(n, why, True)
