@@ -46,6 +46,7 @@ from benchmarks.lib import cli  # noqa: E402
 from benchmarks.lib.decode import SkippedExperts  # noqa: E402
 from moeflux_mlx import measure  # noqa: E402
 from moeflux_mlx.commands.common import main_for  # noqa: E402
+from moeflux_mlx.commands.doctor import top_k_of  # noqa: E402
 from moeflux_mlx.format.checkpoint import expert_layout  # noqa: E402
 from moeflux_mlx.model.load import load  # noqa: E402
 
@@ -90,7 +91,7 @@ def _empty_kernel(x: mx.array, header_kb: int):
     return lambda: kernel(inputs=[x], **launch)[0]
 
 
-def launch_costs(model, backend, calls: int = 480) -> Dict[str, Dict[str, float]]:
+def launch_costs(model, backend, top_k: int, calls: int = 480) -> Dict[str, Dict[str, float]]:
     """Host µs per call of the expert computation alone, on the first MoE layer's resident
     pool at one decode token: ``calls`` calls built (Python) and then launched together
     (``mx.async_eval``), then waited for; beside it a plain MLX op and, on CUDA, a custom kernel
@@ -106,8 +107,9 @@ def launch_costs(model, backend, calls: int = 480) -> Dict[str, Dict[str, float]
         if isinstance(m, StreamingSwitchGLU)
     )
     pool = rt.cache.slots.resident[layer]
-    hidden = pool.arrays["gate_proj.scales"].shape[-1] * pool.quantization.group_size
-    top_k = 8
+    q = pool.quantization  # the input width: from the scales where quantized
+    w = pool.arrays["gate_proj.weight"]
+    hidden = pool.arrays["gate_proj.scales"].shape[-1] * q.group_size if q else w.shape[-1]
     x = mx.random.normal((1, 1, hidden)).astype(mx.bfloat16)
     slots = mx.array([[list(range(top_k))]], dtype=mx.uint32)
     ways = {
@@ -192,7 +194,7 @@ def measure_rounds(path: Path, rounds: int, tokens: int, shares: Sequence[float]
                 if m is not stock:  # the backend's Python time, per token (prefill's is small)
                     parts["compute"] = (_compute_ms(m) - before) / (tokens + 1)
                 runs[name].append(dict(parts, tps=tps))
-        costs = launch_costs(model, backend)  # its own backend: the ceiling may be in place
+        costs = launch_costs(model, backend, top_k_of(path))  # its own backend, not the ceiling's
     finally:
         model.moeflux.backend = backend
         for m in (model, *partial.values()):

@@ -591,15 +591,21 @@ def test_kernel_text_assembly(kind, variant):
         assert shared.count("MF_LD(") == 2 * K.load_source(f"{kind}_rows.h").count("MF_LD(") + 2
 
 
-def test_compact_drops_comments_and_blank_lines_only():
+def test_compact_reads_the_text_as_the_c_preprocessor_does():
+    """Continued lines joined first, then comments gone (each a space), literals kept, blank
+    lines and indentation dropped."""
     text = (
         '  a = "x // y /* z */";  // gone\n'
         "\n"
         "  /* two\n  lines */ #define MF_A 1 \\\n"
         "      + 2\n"
-        "b /* inline */ c\n"
+        "b /* inline */ c; char q = '\"'; // and \\\n"
+        "  this continued comment\n"
+        "d;\n"
     )
-    assert kernel_source.compact(text) == 'a = "x // y /* z */";\n#define MF_A 1 \\\n+ 2\nb   c\n'
+    assert kernel_source.compact(text) == (
+        'a = "x // y /* z */";\n#define MF_A 1       + 2\nb   c; char q = \'"\';\nd;\n'
+    )
 
 
 _CPP = shutil.which("cpp")
@@ -608,22 +614,24 @@ _CPP = shutil.which("cpp")
 @pytest.mark.skipif(_CPP is None, reason="no C preprocessor to tell tokens from comments")
 @pytest.mark.parametrize("name", kernel_source.SOURCE_FILES)
 def test_compacted_kernel_sources_keep_every_token(name):
-    """What MLX is handed (``compact``) has every token of the source, in order: compared after
-    the C preprocessor's own comment removal (``-fpreprocessed``: no macro is expanded)."""
+    """What MLX is handed (``compact``) has every token of the source, line by line (a macro
+    keeps its extent): both read by the C preprocessor's own comment removal
+    (``-fpreprocessed``: no macro expanded), continued lines joined first, as C joins them."""
 
-    def tokens(text):
+    def lines(text):
         out = subprocess.run(
             [_CPP, "-x", "c++", "-fpreprocessed", "-dD", "-E", "-P", "-"],
-            input=text,
+            input=text.replace("\\\n", ""),
             capture_output=True,
             text=True,
             check=True,
         ).stdout
-        return re.findall(r'"(?:\\.|[^"\\\n])*"|\w+|\S', out)
+        tokens = (re.findall(r'"(?:\\.|[^"\\\n])*"|\w+|\S', line) for line in out.splitlines())
+        return [t for t in tokens if t]
 
     text = K.load_source(name)
     short = kernel_source.compact(text)
-    assert tokens(short) == tokens(text)
+    assert lines(short) == lines(text)
     assert len(short) < len(text)
 
 
@@ -648,6 +656,8 @@ def test_kernel_names(monkeypatch):
     # it, so an edited kernel must never be served the old binary
     real = K.kernel_text
     monkeypatch.setattr(K, "kernel_text", lambda *a: (real(*a)[0], real(*a)[1] + "\n// edited"))
+    assert K.kernel_name("glu", "cuda") == glu  # a comment is not handed to MLX
+    monkeypatch.setattr(K, "kernel_text", lambda *a: (real(*a)[0], real(*a)[1] + "\nint mf_e;"))
     edited = K.kernel_name("glu", "cuda")
     assert edited != glu and edited.startswith("moeflux_glu_")
     with pytest.raises(ValueError):

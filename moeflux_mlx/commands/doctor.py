@@ -47,7 +47,7 @@ from mlx_lm.utils import load_tokenizer
 from .. import __version__
 from ..cache import wired
 from ..cache.curve import HitCurve, Timing, auto_budget, tok_s
-from ..cache.slots import slots_per_layer
+from ..cache.slots import slots_per_layer, smallest_budget
 from ..compute import kernels as K
 from ..compute import selfcheck
 from ..compute.backend import backend_report, select_backend
@@ -121,15 +121,17 @@ def forecast(
     curve: Optional[HitCurve] = None,
     policy: str = "transition",
 ) -> Forecast:
-    """Decode time per token at ``budget_bytes``: ``compute_s_per_token`` (measured with the
-    experts resident) plus the bytes a token misses over ``bandwidth`` (bytes/s).
+    """Decode time per token at ``budget_bytes``: ``compute_s_per_token`` (the streaming path
+    with nothing missed) plus the bytes a token misses over ``bandwidth`` (what a missed byte
+    costs decode), both fitted by ``fit_timing``. At every expert the all-resident path runs,
+    which is faster than this says.
 
     Args:
         layout: the model's expert layout.
         top_k: experts a token routes.
         budget_bytes: the cache budget.
-        bandwidth: bytes/s of a miss's reads.
-        compute_s_per_token: decode seconds per token besides expert reads.
+        bandwidth: bytes/s: the miss rate.
+        compute_s_per_token: seconds per token with nothing missed.
         curve: the model's hit-rate curve (None: ``estimated_hit_rates``, n / E).
         policy: the eviction policy whose curve is read.
 
@@ -171,20 +173,25 @@ class Calibration:
 def calibration_budgets(layout: ModelLayout, top_k: int, budget: int) -> Tuple[int, int]:
     """doctor's two measured budgets, the higher first: ``budget`` (at most ``CALIBRATION_TOP``
     of the experts) and ``CALIBRATION_LOW`` of it, raised where a layer would hold fewer than
-    one and a half times its top-k."""
-    total = layout.total_expert_bytes
-    hi = min(budget, int(CALIBRATION_TOP * total))
-    least = max(1.5 * top_k / lay.num_experts for lay in layout.layers.values())
-    return hi, min(hi, max(int(CALIBRATION_LOW * hi), math.ceil(least * total)))
+    one and a half times its top-k (``slots.smallest_budget``)."""
+    hi = min(budget, int(CALIBRATION_TOP * layout.total_expert_bytes))
+    least = smallest_budget(layout, math.ceil(1.5 * top_k))
+    return hi, min(hi, max(int(CALIBRATION_LOW * hi), least))
+
+
+# the lower budget's decode must be this much slower than the higher's for a line through them:
+# a smaller rise is within a short decode's noise, and its slope would make misses look free
+CALIBRATION_RISE = 0.05
 
 
 def fit_timing(points: Sequence[Tuple[int, float, float]], bandwidth: float, basis: str) -> Timing:
     """The line ``t = t_stream + missed bytes / miss rate`` through two measured decodes
-    ``(budget, seconds per token, missed bytes per token)``. Where they do not span a rise
-    (one budget, or fewer misses at the lower), the miss rate is ``bandwidth`` (``basis``: which
-    reads it is) and the line goes through the first point."""
+    ``(budget, seconds per token, missed bytes per token)``. Where they do not span a clear
+    rise (one budget, fewer misses at the lower, or a rise under ``CALIBRATION_RISE``), the
+    miss rate is ``bandwidth`` (``basis``: which reads it is) and the line goes through the
+    first point."""
     (_, t_hi, m_hi), (_, t_lo, m_lo) = points[0], points[-1]
-    if m_lo > m_hi and t_lo > t_hi:
+    if m_lo > m_hi and t_lo > (1 + CALIBRATION_RISE) * t_hi:
         rate = (m_lo - m_hi) / (t_lo - t_hi)
         basis = "misses measured in decode"
     else:

@@ -55,14 +55,19 @@ def as_kernel(made: object) -> Kernel:
     return cast(Kernel, made)
 
 
-_TOKENS = re.compile(r'"(?:\\.|[^"\\\n])*"|//[^\n]*|/\*.*?\*/', re.DOTALL)
+# a string or character literal (kept), a // comment, a /* */ comment
+_TOKENS = re.compile(
+    r'"(?:\\.|[^"\\\n])*"' r"|'(?:\\.|[^'\\\n])*'" r"|//[^\n]*|/\*.*?\*/", re.DOTALL
+)
 
 
 def compact(text: str) -> str:
     """``text`` without its comments, indentation and blank lines: what MLX is handed. MLX
     rebuilds a custom kernel's whole text and hashes it at every launch, a host cost that
-    decode pays per kernel, MoE layer and token; a shorter text costs less. String literals
-    are kept as they are, and every line stays a line (preprocessor directives need theirs).
+    decode pays per kernel, MoE layer and token; a shorter text costs less. As a C preprocessor
+    reads it: continued lines (a backslash before the newline) are joined first, then comments
+    go (each as a space), string and character literals stay as they are; every other line
+    stays a line (preprocessor directives need theirs).
 
     Args:
         text: CUDA or Metal source.
@@ -73,11 +78,10 @@ def compact(text: str) -> str:
 
     def blank(match: re.Match) -> str:
         token = match.group(0)
-        if token.startswith('"'):
-            return token
-        return " " if token.startswith("//") else " " + "\n" * token.count("\n")
+        return token if token[0] in "\"'" else " "
 
-    lines = (line.strip() for line in _TOKENS.sub(blank, text).split("\n"))
+    spliced = text.replace("\\\n", "")
+    lines = (line.strip() for line in _TOKENS.sub(blank, spliced).split("\n"))
     return "".join(line + "\n" for line in lines if line)
 
 
@@ -88,9 +92,10 @@ def custom_kernel(make: Callable[..., object], *, source: str, header: str = "",
 
 
 def text_digest(header: str, body: str) -> str:
-    """Ten hex digits of a kernel's text, for its name: MLX caches compiled kernels by name (on
-    disk, for CUDA), so a changed text must change the name."""
-    return hashlib.sha1((header + "\0" + body).encode()).hexdigest()[:10]
+    """Ten hex digits of a kernel's text as MLX is handed it (``compact``), for its name: MLX
+    caches compiled kernels by name (on disk, for CUDA), so a changed text must change the
+    name (an edited comment need not)."""
+    return hashlib.sha1((compact(header) + "\0" + compact(body)).encode()).hexdigest()[:10]
 
 
 def load_source(name: str) -> str:
