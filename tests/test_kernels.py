@@ -832,15 +832,14 @@ def test_backend_plans_once_per_pool_and_shape():
     assert len(calls) == 3 and len(other.plans) == 1  # a new pool plans anew
 
 
-def test_backend_adds_two_graph_nodes(monkeypatch):
-    """Decode is bound by the host's work per graph node (docs/kernels.md): the backend hands
-    x and the router's slots to the two launches as they are, with no copy or reshape node, and
-    declares outputs already shaped like SwitchGLU's."""
+def _faked_backend(monkeypatch):
+    """A CUDA ``KernelBackend`` whose launches are recorded (kind, inputs, output shape) and
+    return zeros, with a pool and an x to call it on: the Python around the kernels, anywhere."""
     launched = []
 
     def fake_kernel(kind, dialect, variant="plain"):
         def run(inputs, output_shapes, output_dtypes, **kw):
-            launched.append((kind, inputs[0], inputs[1], output_shapes[0]))
+            launched.append((kind, inputs, output_shapes[0]))
             return [mx.zeros(output_shapes[0], output_dtypes[0])]
 
         return run
@@ -848,11 +847,17 @@ def test_backend_adds_two_graph_nodes(monkeypatch):
     monkeypatch.setattr(K, "_kernel", fake_kernel)
     kb = K.KernelBackend("cuda", OpsBackend(), selfcheck=False)
     kb._available = True
-    pool = _cpu_pool()
-    x = mx.random.normal((1, 1, 256))
+    return kb, launched, _cpu_pool(), mx.random.normal((1, 1, 256))
+
+
+def test_backend_adds_two_graph_nodes(monkeypatch):
+    """Decode is bound by the host's work per graph node (docs/kernels.md): the backend hands
+    x and the router's slots to the two launches as they are, with no copy or reshape node, and
+    declares outputs already shaped like SwitchGLU's."""
+    kb, launched, pool, x = _faked_backend(monkeypatch)
     slots = mx.argpartition(mx.random.normal((1, 1, 6)), kth=-4, axis=-1)[..., -4:]
     out = kb(x, slots, pool, SwiGLU())
-    (g, gx, gs, gshape), (d, dh, ds, dshape) = launched
+    (g, (gx, gs, *_), gshape), (d, (_, ds, *_), dshape) = launched
     assert (g, d) == ("glu", "down") and gx is x and gs is slots and ds is slots
     assert gshape == (1, 1, 4, 128) and dshape == out.shape == (1, 1, 4, 256)
 
@@ -860,25 +865,12 @@ def test_backend_adds_two_graph_nodes(monkeypatch):
 def test_backend_casts_only_slots_the_kernels_cannot_read(monkeypatch):
     """Slots the kernels read as slot numbers (int32, uint32) go to both launches as they are;
     others are cast once, to int32: the plan of each slots dtype says which."""
-    launched = []
-
-    def fake_kernel(kind, dialect, variant="plain"):
-        def run(inputs, output_shapes, output_dtypes, **kw):
-            launched.append(inputs[1])
-            return [mx.zeros(output_shapes[0], output_dtypes[0])]
-
-        return run
-
-    monkeypatch.setattr(K, "_kernel", fake_kernel)
-    kb = K.KernelBackend("cuda", OpsBackend(), selfcheck=False)
-    kb._available = True
-    pool = _cpu_pool()
-    x = mx.random.normal((1, 1, 256))
+    kb, launched, pool, x = _faked_backend(monkeypatch)
     for dtype in (mx.uint32, mx.int64, mx.int32, mx.int64, mx.uint32):
         slots = mx.array([[[0, 1, 2, 3]]], dtype=dtype)
         launched.clear()
         kb(x, slots, pool, SwiGLU())
-        glu_slots, down_slots = launched
+        glu_slots, down_slots = (inputs[1] for _, inputs, _ in launched)
         assert glu_slots is down_slots
         if dtype in K.SLOT_DTYPES:
             assert glu_slots is slots

@@ -130,30 +130,26 @@ def _named(kind: str, header: str, body: str) -> str:
     return f"moeflux_{kind}_{text_digest(header, body)}"
 
 
-@functools.cache
-def _hint_kernel(wait_s: float) -> Kernel:
-    header, body = _header(wait_s), load_source("hint_cuda.cuh")
+def _table_kernel(kind: str, wait_s: float, inputs: list, output: str) -> Kernel:
+    header, body = _header(wait_s), load_source(f"{kind}_cuda.cuh")
     return custom_kernel(
         mx.fast.cuda_kernel,
-        name=_named("hint", header, body),
-        input_names=["inds", "pred", "meta"],
-        output_names=["out"],
+        name=_named(kind, header, body),
+        input_names=inputs,
+        output_names=[output],
         source=body,
         header=header,
     )
+
+
+@functools.cache
+def _hint_kernel(wait_s: float) -> Kernel:
+    return _table_kernel("hint", wait_s, ["inds", "pred", "meta"], "out")
 
 
 @functools.cache
 def _resolve_kernel(wait_s: float) -> Kernel:
-    header, body = _header(wait_s), load_source("resolve_cuda.cuh")
-    return custom_kernel(
-        mx.fast.cuda_kernel,
-        name=_named("resolve", header, body),
-        input_names=["inds", "meta", "after"],
-        output_names=["slots"],
-        source=body,
-        header=header,
-    )
+    return _table_kernel("resolve", wait_s, ["inds", "meta", "after"], "slots")
 
 
 def _components(layout: ExpertLayout) -> tuple:
