@@ -24,7 +24,6 @@ anew then) and while decode is measured, so the forecast is checked on real reus
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -44,7 +43,7 @@ from moeflux_mlx.commands.doctor import (  # noqa: E402
 from moeflux_mlx.format.checkpoint import expert_layout, is_packed  # noqa: E402
 from moeflux_mlx.format.convert import convert  # noqa: E402
 from moeflux_mlx.io.bandwidth import read_bandwidth  # noqa: E402
-from moeflux_mlx.model.calibrate import calibration_prompt  # noqa: E402
+from moeflux_mlx.model.calibrate import calibration_ids  # noqa: E402
 from tests.support import synth  # noqa: E402
 
 BUDGETS = (0.25, 0.5, 0.75)
@@ -114,11 +113,7 @@ def main(argv=None) -> int:
 
         trace = load_trace(args.routing_trace)
         prepare = lambda model: drive_routing(model, trace, args.routing_trace)  # noqa: E731
-    from mlx_lm.utils import load_tokenizer
-
-    config = json.loads((path / "config.json").read_text())
-    vocab = config.get("text_config", config).get("vocab_size")
-    prompt = calibration_prompt(load_tokenizer(path), vocab)
+    prompt = calibration_ids(path)
     routed = sum(k * lay.blob_size for lay in layout.layers.values())
     reads = [("warm", warm_bw, {})] + (
         [("cold", cold_bw, {"cold": True, "pin_experts": False})] if args.cold else []

@@ -166,9 +166,9 @@ def measure_rounds(path: Path, rounds: int, tokens: int, shares: Sequence[float]
     stock = mlx_lm.load(str(path))[0]
     model, _ = load(path, cache_budget="all")
     backend = model.moeflux.backend
-    total = expert_layout(path).total_expert_bytes
+    layout = expert_layout(path)
+    total, layers = layout.total_expert_bytes, len(layout.layers)
     partial = {f"moeflux at {f:.0%}": load(path, cache_budget=int(f * total))[0] for f in shares}
-    layers = len(model.moeflux.stats.layers) or 1
     prompt = mx.array(list(range(100, 164)))
     runs: Dict[str, List[dict]] = {STOCK: [], MOEFLUX: [], CEILING: [], **{n: [] for n in partial}}
 
@@ -183,7 +183,6 @@ def measure_rounds(path: Path, rounds: int, tokens: int, shares: Sequence[float]
     try:
         for name in runs:  # kernels compiled, allocator warm
             measure.time_generation(use(name), prompt, measure.WARM_UP_TOKENS)
-        layers = len(model.moeflux.stats.layers) or layers
         for r in range(rounds):
             order = list(runs)[r % len(runs) :] + list(runs)[: r % len(runs)]
             for name in order:

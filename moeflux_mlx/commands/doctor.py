@@ -7,8 +7,8 @@ slot writes, whole-layer prefill), the kernels' self-check verdicts on this mach
 on Metal the recommended working set and the wired limit. With a MODEL: the RAM gate's choice,
 a recommended cache budget (one that fits the working set), a short measured read bandwidth of
 the disk holding the experts (cold: page cache dropped first; warm: the same reads again), the
-decode time per token measured at two budgets, and a forecast of decode tok/s
-at several budgets:
+decode time per token measured at two budgets, and a forecast of decode tok/s at several
+budgets:
 
     t(budget) = t_stream + (expert bytes a token misses at that budget) / miss rate
 
@@ -16,10 +16,9 @@ where a token misses, in each MoE layer, top-k x blob bytes x (1 - hit rate). ``
 token's time on the streaming path with nothing missed) and the miss rate (what a missed byte
 costs decode: its read, its copy and the device's wait for it) are the line through the two
 measured decodes, each the time per token against the bytes it missed (``calibrate_decode``).
-The hit rate is the
-model's measured hit-rate curve (``cache.curve``): doctor records the model's routing on a short
-built-in text, replays it through the eviction policy at budgets of 0-100% of the experts, and
-records the curve (with the two terms above) beside the model, where
+The hit rate is the model's measured hit-rate curve (``cache.curve``): doctor records the
+model's routing on a short built-in text, replays it through the eviction policy at budgets of
+0-100% of the experts, and records the curve (with the two terms above) beside the model, where
 ``cache_budget="auto"`` reads it. It prints the curve (and plots it, where matplotlib is
 installed) and the budget auto would choose. Without a curve (``--no-bench``) a layer holding n of
 its E experts is estimated to hit n / E (routing uniform over the experts).
@@ -42,7 +41,6 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 import psutil
-from mlx_lm.utils import load_tokenizer
 
 from .. import __version__
 from ..cache import wired
@@ -56,7 +54,7 @@ from ..format.layout import ModelLayout
 from ..format.safetensors import index_directory
 from ..io.bandwidth import read_bandwidth
 from ..io.store import choose_expert_io
-from ..model.calibrate import calibrate, calibration_prompt
+from ..model.calibrate import calibrate, calibration_ids
 from ..model.load import load
 from ..model.runtime import machine_choices
 from ..model.source import resolve_model_path
@@ -580,8 +578,6 @@ def _model_rows(path: Path, given: dict, bench: bool) -> List[Tuple[str, str]]:
         if fits_page_cache
         else "the experts exceed the free RAM"
     )
-    config = read_config(path)
-    vocab = config.get("text_config", config).get("vocab_size")
     cal = calibrate_decode(
         path,
         layout,
@@ -589,7 +585,7 @@ def _model_rows(path: Path, given: dict, bench: bool) -> List[Tuple[str, str]]:
         budget,
         bw,
         "warm" if fits_page_cache else "cold",
-        prompt=calibration_prompt(load_tokenizer(path), vocab),  # routes as the curve's text
+        prompt=calibration_ids(path),  # routes as the curve's text
         **{k2: v for k2, v in given.items() if k2 != "cache_budget"},
     )
     timing = cal.timing

@@ -12,9 +12,9 @@ took 14.4 ms where they took 9.2 and 7.4 alone.
 MLX cannot wait for a stream it does not own, so the host does: ``copy_layer`` returns
 once its copies have landed, and only then can MLX see the arrays. The caller queues the
 previous layer's computation first, so the copy runs beside it (all but the one-thread kernel
-that makes the destination arrays, which may wait for an SM behind that computation). The destination arrays are new
-MLX arrays for each layer, never written again: a lazy output that still reads a layer (one
-nobody evaluated yet) stays correct.
+that makes the destination arrays, which may wait for an SM behind that computation). The
+destination arrays are new MLX arrays for each layer, never written again: a lazy output that
+still reads a layer (one nobody evaluated yet) stays correct.
 """
 
 from __future__ import annotations

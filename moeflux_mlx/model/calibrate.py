@@ -15,9 +15,11 @@ from typing import Dict, List, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.utils import load_tokenizer
 
 from ..cache.curve import SHARES, HitCurve, Timing, read_curve, simulate, write_curve
 from ..cache.policy import POLICIES
+from ..format.checkpoint import read_config
 
 # a built-in text for a calibration without a prompt of the user's: plain prose on no one
 # topic, so that the routing is an ordinary text's rather than one domain's
@@ -78,6 +80,14 @@ def calibration_prompt(tokenizer, vocab_size: Optional[int] = None) -> List[int]
     model's tokenizer may be larger than its vocabulary)."""
     ids = list(tokenizer.encode(CALIBRATION_TEXT))
     return [i % vocab_size for i in ids] if vocab_size else ids
+
+
+def calibration_ids(model_dir: Path) -> List[int]:
+    """``CALIBRATION_TEXT`` as ``model_dir``'s token ids (its tokenizer, its vocabulary), the
+    model not loaded: a decode measured on it routes as the curve's tokens did."""
+    config = read_config(model_dir)
+    vocab = config.get("text_config", config).get("vocab_size")
+    return calibration_prompt(load_tokenizer(model_dir), vocab)
 
 
 def curve_of(
